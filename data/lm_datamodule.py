@@ -1,0 +1,182 @@
+"""Language-modelling datamodules over a tokenized corpus.
+
+Two training streams, both infinite and resumable (batch j is a pure function of (seed, j), so a resumed run
+continues with exactly the batch it would have seen, and dataloader workers never repeat each other):
+- shuffled: fixed-length chunks of the concatenated training documents, in a seeded permutation per epoch;
+- ordered (Transformer-XL): each batch row is one continuous stream of whole documents; consecutive batches
+  continue it. A document's last segment is right-padded, and the next batch starts a new document in that row
+  with `reset[b] = True`, so a recurrent model drops its cache exactly at document boundaries.
+Each document is `[bos] text [eos]`.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+from data.corpus import Corpus, TokenizedSplit, tokenize_corpus
+from data.tokenizer import Tokenizer
+
+
+def with_specials(split: TokenizedSplit, bos: int, eos: int) -> list[np.ndarray]:
+    """Documents as int64 arrays `[bos] tokens [eos]`."""
+    return [np.concatenate([[bos], split.doc(i).astype(np.int64), [eos]]) for i in range(len(split))]
+
+
+def lm_batch(chunks: np.ndarray) -> dict[str, torch.Tensor]:
+    """(B, T+1) token chunks -> inputs (B, T) and next-token labels (B, T)."""
+    chunks = torch.from_numpy(chunks)
+    return {"input_ids": chunks[:, :-1].contiguous(), "labels": chunks[:, 1:].contiguous()}
+
+
+class BatchStream(IterableDataset):
+    """Infinite stream of ready batches from `make_batch(j)`.
+
+    This process (rank r of R) yields its local batches k = start, start+1, ... as global batches j = k·R + r;
+    dataloader worker w of W makes the k ≡ w (mod W), and the DataLoader interleaves them back in order.
+    """
+
+    def __init__(self, make_batch, start: int = 0, rank: int = 0, world_size: int = 1):
+        self.make_batch, self.start, self.rank, self.world_size = make_batch, start, rank, world_size
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, n = (info.id, info.num_workers) if info else (0, 1)
+        k = self.start + wid
+        while True:
+            yield self.make_batch(k * self.world_size + self.rank)
+            k += n
+
+
+class ShuffledChunks:
+    """Batch j of non-overlapping (T+1)-token chunks, reshuffled every pass over the corpus."""
+
+    def __init__(self, docs: list[np.ndarray], seq_len: int, batch_size: int, seed: int):
+        stream = np.concatenate(docs)
+        n = (len(stream) - 1) // seq_len
+        if n < batch_size:
+            raise ValueError(f"Corpus too small: {n} chunks of {seq_len} tokens < batch_size {batch_size}")
+        self.stream, self.seq_len, self.batch_size, self.seed = stream, seq_len, batch_size, seed
+        self.per_epoch = n // batch_size
+
+    def __call__(self, j: int) -> dict[str, torch.Tensor]:
+        epoch, k = divmod(j, self.per_epoch)
+        perm = np.random.default_rng([self.seed, epoch]).permutation(self.per_epoch * self.batch_size)
+        starts = perm[k * self.batch_size : (k + 1) * self.batch_size] * self.seq_len
+        return lm_batch(np.stack([self.stream[s : s + self.seq_len + 1] for s in starts]))
+
+
+class OrderedStreams:
+    """Row b of batch j is segment j of row b's stream: its documents, in order, cut into (T+1)-token pieces."""
+
+    def __init__(self, docs: list[np.ndarray], seq_len: int, batch_size: int, pad_id: int, seed: int):
+        if len(docs) < batch_size:
+            raise ValueError(
+                f"{len(docs)} documents cannot fill {batch_size} ordered streams; lower batch_size"
+            )
+        order = np.random.default_rng(seed).permutation(len(docs))
+        rows: list[list[int]] = [[] for _ in range(batch_size)]
+        sizes = np.zeros(batch_size, dtype=np.int64)
+        for i in order:  # greedy balance: the next document goes to the shortest row
+            b = int(sizes.argmin())
+            rows[b].append(int(i))
+            sizes[b] += len(docs[i])
+        # Each row: the (doc, start) of every segment; a pass over its documents then repeats.
+        self.segments = [[(i, s) for i in row for s in range(0, len(docs[i]) - 1, seq_len)] for row in rows]
+        self.docs, self.seq_len, self.pad_id = docs, seq_len, pad_id
+
+    def __call__(self, j: int) -> dict[str, torch.Tensor]:
+        T = self.seq_len
+        ids = np.full((len(self.segments), T + 1), self.pad_id, dtype=np.int64)
+        labels = np.full((len(self.segments), T), -100, dtype=np.int64)
+        reset = np.zeros(len(self.segments), dtype=bool)
+        for b, segs in enumerate(self.segments):
+            i, s = segs[j % len(segs)]
+            piece = self.docs[i][s : s + T + 1]
+            ids[b, : len(piece)] = piece
+            labels[b, : len(piece) - 1] = piece[1:]
+            reset[b] = s == 0
+        mask = (labels != -100).astype(np.int64)
+        mask[:, 0] = 1
+        return {
+            "input_ids": torch.from_numpy(ids[:, :-1]),
+            "labels": torch.from_numpy(labels),
+            "attention_mask": torch.from_numpy(mask),
+            "reset": torch.from_numpy(reset),
+        }
+
+
+class FixedBatches(Dataset):
+    """A finite, deterministic list of batches (validation)."""
+
+    def __init__(self, make_batch, n: int):
+        self.make_batch, self.n = make_batch, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, j: int):
+        return self.make_batch(j)
+
+
+class LMDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        corpus: Corpus,
+        seq_len: int = 1024,
+        batch_size: int = 8,
+        ordered: bool = False,
+        val_batches: int = 16,
+        num_workers: int = 0,
+        seed: int = 0,
+        cache_dir: str | None = None,
+    ):
+        super().__init__()
+        self.tokenizer, self.corpus = tokenizer, corpus
+        self.seq_len, self.batch_size, self.ordered = seq_len, batch_size, ordered
+        self.val_batches, self.num_workers, self.seed, self.cache_dir = (
+            val_batches,
+            num_workers,
+            seed,
+            cache_dir,
+        )
+        self.splits: dict[str, list[np.ndarray]] | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits is None:
+            tok = self.tokenizer
+            tokenized = tokenize_corpus(self.corpus, tok, self.cache_dir)
+            self.splits = {k: with_specials(v, tok.bos_id, tok.eos_id) for k, v in tokenized.items()}
+
+    def make_stream(self, split: str, seed: int):
+        docs = self.splits[split]
+        if self.ordered:
+            return OrderedStreams(docs, self.seq_len, self.batch_size, self.tokenizer.pad_id, seed)
+        return ShuffledChunks(docs, self.seq_len, self.batch_size, seed)
+
+    def consumed_batches(self) -> int:
+        """Training batches already used (restored from the checkpoint on resume)."""
+        trainer = self.trainer
+        return trainer.global_step * trainer.accumulate_grad_batches if trainer is not None else 0
+
+    def _loader(self, dataset) -> DataLoader:
+        return DataLoader(dataset, batch_size=None, num_workers=self.num_workers, persistent_workers=False)
+
+    def train_dataloader(self) -> DataLoader:
+        t = self.trainer
+        rank, world = (t.global_rank, t.world_size) if t is not None else (0, 1)
+        stream = BatchStream(self.make_stream("train", self.seed), self.consumed_batches(), rank, world)
+        return self._loader(stream)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(FixedBatches(self.make_stream("validation", seed=1), self.val_batches))
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(FixedBatches(self.make_stream("test", seed=2), self.val_batches))
+
+
+def build_lm_datamodule(tokenizer: Tokenizer, corpus: Corpus, **kwargs) -> LMDataModule:
+    return LMDataModule(tokenizer, corpus, **kwargs)

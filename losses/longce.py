@@ -1,0 +1,75 @@
+"""LongCE: cross-entropy re-weighted by how much long context helps each token (Fang et al. 2024, Eq. 6-7).
+
+LongCE = -(1/n) sum_i w_i log P(x_i | x_<i), w_i = min(exp(LSD(x_i)), gamma), n = number of scored (non-pad)
+tokens. The weights come from the model being trained, without gradient: LSD(x_i) = log P(x_i | x_<i) -
+log P(x_i | short context), short contexts from the sliding window of callbacks.longppl (K, d); tokens with no
+short context (block start k*d < K) get weight 1. Unlike the reference implementation, padding is never scored.
+
+Per-token tensors follow callbacks.longppl: one value per input token, index j scoring x_j, so a (B, T) batch
+needs one batched no-grad pass over the windows of all rows on top of the training forward.
+"""
+
+import torch
+
+from callbacks.longppl import LogitsFn, sliding_window_short_logprobs, token_logprobs
+
+__all__ = ["longce_loss", "longce_loss_for_batch", "longce_weights", "sliding_window_short_logprobs"]
+
+
+def longce_weights(
+    long_logprobs: torch.Tensor, short_logprobs: torch.Tensor, has_short: torch.Tensor, gamma: float = 5.0
+) -> torch.Tensor:
+    """min(exp(long - short), gamma) where has_short, else 1; no gradient. All inputs the same shape (...)."""
+    if gamma <= 0:
+        raise ValueError(f"gamma must be > 0, got {gamma}")
+    if not long_logprobs.shape == short_logprobs.shape == has_short.shape:
+        raise ValueError(
+            f"shapes differ: long {tuple(long_logprobs.shape)}, short {tuple(short_logprobs.shape)}, "
+            f"has_short {tuple(has_short.shape)}"
+        )
+    with torch.no_grad():
+        ratio = (long_logprobs.detach().float() - short_logprobs.float()).exp().clamp(max=gamma)
+        return torch.where(has_short, ratio, torch.ones_like(ratio))
+
+
+def longce_loss(logprobs: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """-sum(w * logp * mask) / sum(mask): the weighted mean NLL over the n scored tokens (0 when n = 0).
+
+    logprobs (...) with gradient, weights (...) without, mask (...) bool: True on tokens to score. Values
+    outside the mask (NaN at index 0, padding) never reach the loss or its gradient.
+    """
+    if weights.requires_grad:
+        raise ValueError("weights must carry no gradient; compute them with longce_weights")
+    if not logprobs.shape == weights.shape == mask.shape:
+        raise ValueError(
+            f"shapes differ: logprobs {tuple(logprobs.shape)}, weights {tuple(weights.shape)}, "
+            f"mask {tuple(mask.shape)}"
+        )
+    weighted = torch.where(mask, weights * logprobs, torch.zeros_like(logprobs))
+    return -weighted.sum() / mask.sum().clamp(min=1)
+
+
+def longce_loss_for_batch(
+    logits_fn: LogitsFn,
+    input_ids: torch.Tensor,
+    logits: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    K: int,
+    d: int,
+    gamma: float = 5.0,
+    batch_size: int = 8,
+) -> torch.Tensor:
+    """LongCE of a (B, T) LM batch from its training-forward logits (B, T, V).
+
+    Scores every real token whose previous position is also real (all predicted, non-pad tokens); the weights
+    take one extra no-grad pass of logits_fn over the sliding windows of all rows. For another scoring mask
+    (e.g. answer tokens only), compose token_logprobs, sliding_window_short_logprobs, longce_weights and
+    longce_loss.
+    """
+    mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    scored = mask.clone()
+    scored[:, 1:] &= mask[:, :-1]
+    scored[:, 0] = False
+    logprobs = token_logprobs(logits, input_ids)  # (B, T)
+    short, has_short = sliding_window_short_logprobs(logits_fn, input_ids, mask, K, d, batch_size)
+    return longce_loss(logprobs, longce_weights(logprobs, short, has_short, gamma), scored)

@@ -1,0 +1,131 @@
+"""Builders: turn a composed Hydra config into a ready run (tokenizer, data, backbone, model, module, trainer).
+
+Shared by train.py and evaluate.py; classes never see the config, only the flat arguments of their builders.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from callbacks.checkpoint import AtomicCheckpointIO
+from models.lit_module import LitModule
+
+log = logging.getLogger(__name__)
+
+
+def auto_precision() -> str:
+    """bf16-mixed where the device computes bf16 natively (CUDA with bf16, or a CPU with AMX), else fp32."""
+    if torch.cuda.is_available():
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    return "32-true"
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("auto_precision"):
+        OmegaConf.register_new_resolver("auto_precision", auto_precision)
+
+
+def build_backbone(cfg: DictConfig, tokenizer) -> torch.nn.Module:
+    """Instantiate the backbone; a null vocab_size takes the tokenizer's; a vocabulary smaller than the
+    tokenizer's is refused (token ids would index past the embedding)."""
+    cfg = cfg.copy()
+    if "vocab_size" in cfg and cfg.vocab_size is None:
+        with open_dict(cfg):
+            cfg.vocab_size = tokenizer.vocab_size
+    backbone = instantiate(cfg)
+    if backbone.vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"Tokenizer/vocabulary mismatch: tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but the "
+            f"backbone's vocabulary has {backbone.vocab_size}. Set backbone.vocab_size={tokenizer.vocab_size} "
+            "(or null to follow the tokenizer), or pick the tokenizer the backbone was trained with."
+        )
+    return backbone
+
+
+def build_model(cfg: DictConfig, tokenizer) -> torch.nn.Module:
+    """Backbone wrapped by the task model of `cfg.model` (CausalLM, RMT, RMT-R, Llama-XL)."""
+    return instantiate(cfg.model, _partial_=True)(backbone=build_backbone(cfg.backbone, tokenizer))
+
+
+def set_threads(cfg: DictConfig, n_params: int) -> None:
+    """Tiny models run fastest on one thread per process on small CPUs; big ones use every core."""
+    if torch.cuda.is_available():
+        return
+    threads = cfg.get("threads") or (1 if n_params < 20_000_000 else os.cpu_count())
+    torch.set_num_threads(threads)
+
+
+@dataclass
+class Run:
+    tokenizer: object
+    datamodule: L.LightningDataModule
+    module: LitModule
+    trainer: L.Trainer
+
+
+def build_callbacks(cfg: DictConfig, datamodule) -> list:
+    callbacks = []
+    for name, c in (cfg.get("callbacks") or {}).items():
+        if name == "model_checkpoint" and c.get("monitor") is None:
+            monitor, mode = getattr(datamodule, "monitor", ("val/loss", "min"))
+            c = OmegaConf.merge(c, {"monitor": monitor, "mode": mode})
+        callbacks.append(instantiate(c))
+    callbacks += list(getattr(datamodule, "callbacks", lambda: [])())
+    return callbacks
+
+
+def build_run(cfg: DictConfig) -> Run:
+    L.seed_everything(cfg.seed, workers=True)
+    tokenizer = instantiate(cfg.tokenizer)
+    corpus = instantiate(cfg.corpus)
+    datamodule = instantiate(cfg.task, _partial_=True)(tokenizer=tokenizer, corpus=corpus)
+    model = build_model(cfg, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    set_threads(cfg, n_params)
+    log.info("model: %s, %.2fM parameters", type(model).__name__, n_params / 1e6)
+    print(f"Parameters: {n_params:,} ({n_params / 1e6:.1f}M)")
+    module = LitModule(
+        model,
+        instantiate(cfg.loss),
+        **cfg.optim,
+        val_names=getattr(datamodule, "val_names", None),
+        config=OmegaConf.to_container(cfg, resolve=True),
+    )
+    loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
+    trainer = instantiate(
+        cfg.trainer,
+        logger=loggers or False,
+        callbacks=build_callbacks(cfg, datamodule),
+        plugins=[AtomicCheckpointIO()],
+    )
+    for lg in loggers:
+        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    return Run(tokenizer, datamodule, module, trainer)
+
+
+def resolve_ckpt_path(ckpt_path: str | None, run_dir: str) -> str | None:
+    """`last` -> run_dir/checkpoints/last.ckpt (resume); a path must exist; None starts fresh."""
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "last":
+        path = Path(run_dir) / "checkpoints" / "last.ckpt"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"ckpt_path=last but {path} does not exist. Resume with the run's folder: run_dir=<old run dir> "
+                "ckpt_path=last, or give a checkpoint file: ckpt_path=/path/to/file.ckpt"
+            )
+        return str(path)
+    if not Path(ckpt_path).is_file():
+        raise FileNotFoundError(f"Checkpoint not found: {ckpt_path}")
+    from callbacks.checkpoint import load_checkpoint
+
+    load_checkpoint(ckpt_path)  # a corrupt file fails here with a clear message, before training starts
+    return ckpt_path

@@ -1,0 +1,168 @@
+"""The one LightningModule: drives any task model with an injected loss, AdamW and the WSD schedule.
+
+Task models (CausalLM, RMT, RMT-R, Llama-XL) differ by the module passed in, never by subclassing this.
+Metrics: `train/loss`, `train/lr`, `train/tokens_per_s`; validation `val/loss`, `val/ppl` for language modelling and
+`val/<name>/acc` (exact match of the answer) for question-answering batches (those carrying `answer_mask`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from models.outputs import scored_positions
+
+
+def wsd_lambda(warmup_steps: int, total_steps: int, stable_ratio: float, min_lr_ratio: float):
+    """Warmup-stable-decay multiplier: linear warmup, constant for `stable_ratio` of the rest, linear decay."""
+    decay_start = warmup_steps + int(stable_ratio * max(0, total_steps - warmup_steps))
+
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if step < decay_start or total_steps <= decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / (total_steps - decay_start))
+        return 1.0 - (1.0 - min_lr_ratio) * progress
+
+    return f
+
+
+class LitModule(L.LightningModule):
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: nn.Module,
+        lr: float = 3e-4,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 100,
+        stable_ratio: float = 0.8,
+        min_lr_ratio: float = 0.0,
+        val_names: list[str] | None = None,
+        config: dict | None = None,
+    ):
+        super().__init__()
+        self.model, self.loss = model, loss
+        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.warmup_steps, self.stable_ratio, self.min_lr_ratio = warmup_steps, stable_ratio, min_lr_ratio
+        self.val_names = list(val_names or [])
+        self.config = config  # the run's resolved config: travels inside every checkpoint
+        self._val_sums: dict[str, Tensor] = {}
+        self._t_last: float | None = None
+
+    # ---- training -------------------------------------------------------------------------------------
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        out = self.model(batch)
+        loss = self.loss(out, self.model, batch)
+        self._stop_if_not_finite(loss)
+        n_tok = (
+            int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+        )
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        self._log_throughput(n_tok)
+        return loss
+
+    def _log_throughput(self, n_tokens: int) -> None:
+        now = time.perf_counter()
+        if self._t_last is not None:
+            self.log("train/tokens_per_s", n_tokens / max(now - self._t_last, 1e-9), prog_bar=True)
+        self._t_last = now
+
+    def _stop_if_not_finite(self, loss: Tensor) -> None:
+        """On NaN/inf: save the last good state (weights before this step's update) and stop with a clear error."""
+        bad = self.trainer.strategy.reduce_boolean_decision(not bool(torch.isfinite(loss)), all=False)
+        if not bad:
+            return
+        path = None
+        if self.trainer.checkpoint_callback is not None and self.trainer.checkpoint_callback.dirpath:
+            path = f"{self.trainer.checkpoint_callback.dirpath}/last-finite.ckpt"
+            self.trainer.save_checkpoint(path)
+        raise FloatingPointError(
+            f"Loss is {loss.item()} at global step {self.global_step}. The last good state was saved to {path}. "
+            "Lower the learning rate (optim.lr), check the data, or resume from it with ckpt_path=<that file>."
+        )
+
+    # ---- validation -----------------------------------------------------------------------------------
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = {}
+        self._t_last = None
+
+    def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        out = self.model(batch)
+        nll = nn.functional.cross_entropy(out.logits.float(), out.targets, reduction="sum")
+        name = self.val_names[dataloader_idx] if dataloader_idx < len(self.val_names) else None
+        prefix = f"val/{name}" if name else "val"
+        self._accumulate(f"{prefix}/nll", nll, out.targets.numel())
+        if "answer_mask" in batch:
+            self._accumulate(
+                f"{prefix}/acc", exact_match(out.logits, out.targets, batch).sum(), len(batch["input_ids"])
+            )
+
+    def _accumulate(self, key: str, total: Tensor, count: int) -> None:
+        s, n = self._val_sums.get(key, (0.0, 0))
+        self._val_sums[key] = (s + total.detach().double(), n + count)
+
+    def on_validation_epoch_end(self) -> None:
+        sums = {
+            k: torch.stack([s, torch.tensor(n, dtype=torch.float64, device=s.device)])
+            for k, (s, n) in self._val_sums.items()
+        }
+        sums = {k: self.trainer.strategy.reduce(v, reduce_op="sum") for k, v in sorted(sums.items())}
+        for key, (s, n) in sums.items():
+            mean = (s / n.clamp(min=1)).float()
+            if key.endswith("/nll"):
+                base = key.removesuffix("/nll")
+                self.log(f"{base}/loss", mean, sync_dist=False)
+                self.log(
+                    f"{base}/ppl", torch.exp(mean.clamp(max=50)), prog_bar=base == "val", sync_dist=False
+                )
+            else:
+                self.log(key, mean, prog_bar=True, sync_dist=False)
+
+    # ---- optimisation ---------------------------------------------------------------------------------
+    def configure_optimizers(self):
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.lr,
+            betas=self.betas,
+            eps=self.eps,
+            fused=None,
+        )
+        total = (
+            self.trainer.max_steps
+            if self.trainer.max_steps > 0
+            else int(self.trainer.estimated_stepping_batches)
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, wsd_lambda(self.warmup_steps, total, self.stable_ratio, self.min_lr_ratio)
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["config"] = self.config
+
+
+def exact_match(logits: Tensor, targets: Tensor, batch: dict) -> Tensor:
+    """Per-sample exact match (B,): every argmax prediction at the sample's answer positions is right.
+
+    Teacher-forced and greedy-decoded exact match agree: greedy decoding reproduces the answer (and its EOS)
+    exactly when every teacher-forced argmax along it is right.
+    """
+    scored = scored_positions(batch["labels"])
+    rows = scored.nonzero()[:, 0]
+    is_answer = batch["answer_mask"][scored]
+    wrong = (logits.argmax(-1) != targets) & is_answer
+    B = batch["input_ids"].shape[0]
+    n_wrong = torch.zeros(B, device=logits.device, dtype=torch.long).index_add_(0, rows, wrong.long())
+    return (n_wrong == 0).float()

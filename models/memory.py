@@ -1,0 +1,99 @@
+"""Recurrent-memory state of RMT / RMT-R: the current memory M_{t-1} and, for RMT-R, the bank of past states.
+
+Small typed objects instead of tuples of tensors (see CONVENTIONS: "Memory state is a small typed object").
+The bank keeps what retrieval needs of every past state [M_0 .. M_{t-1}]: its keys and values (B, S, D), S = t*m,
+plus a validity mask (B, S) (False for entries of rows that were padding in that segment or that restarted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class MemoryBank:
+    """Keys/values (B, capacity, D) of past memory states; the first `size` entries are filled.
+
+    With gradients on, `append` builds new tensors (autograd needs the old ones unchanged); without gradients it
+    writes in place into a buffer that doubles when full, so streaming n segments costs O(n) copies, not O(n^2).
+    """
+
+    keys_buffer: Tensor  # (B, capacity, D)
+    values_buffer: Tensor  # (B, capacity, D)
+    valid_buffer: Tensor  # (B, capacity) bool
+    size: int
+
+    @classmethod
+    def start(cls, keys: Tensor, values: Tensor, valid: Tensor) -> MemoryBank:
+        """A bank holding one state: keys, values (B, m, D), valid (B, m)."""
+        return cls(keys, values, valid, keys.shape[1])
+
+    @property
+    def keys(self) -> Tensor:  # (B, S, D)
+        return self.keys_buffer[:, : self.size]
+
+    @property
+    def values(self) -> Tensor:  # (B, S, D)
+        return self.values_buffer[:, : self.size]
+
+    @property
+    def valid(self) -> Tensor:  # (B, S)
+        return self.valid_buffer[:, : self.size]
+
+    def append(self, keys: Tensor, values: Tensor, valid: Tensor) -> MemoryBank:
+        """The bank with one more state appended: keys, values (B, m, D), valid (B, m)."""
+        n = keys.shape[1]
+        if torch.is_grad_enabled():
+            return MemoryBank(
+                torch.cat([self.keys, keys], 1),
+                torch.cat([self.values, values], 1),
+                torch.cat([self.valid, valid], 1),
+                self.size + n,
+            )
+        bank = self if self.size + n <= self.keys_buffer.shape[1] else self._grown(2 * (self.size + n))
+        bank.keys_buffer[:, bank.size : bank.size + n] = keys
+        bank.values_buffer[:, bank.size : bank.size + n] = values
+        bank.valid_buffer[:, bank.size : bank.size + n] = valid
+        bank.size += n
+        return bank
+
+    def _grown(self, capacity: int) -> MemoryBank:
+        def grow(t: Tensor) -> Tensor:
+            new = t.new_zeros((t.shape[0], capacity, *t.shape[2:]))
+            new[:, : self.size] = t[:, : self.size]
+            return new
+
+        return MemoryBank(grow(self.keys_buffer), grow(self.values_buffer), grow(self.valid_buffer), self.size)
+
+    def invalidate(self, rows: Tensor) -> MemoryBank:
+        """The bank with every entry of the rows where `rows` (B,) is True marked invalid."""
+        return MemoryBank(self.keys, self.values, self.valid & ~rows[:, None], self.size)
+
+    def compact(self) -> MemoryBank:
+        """The bank without the entries that no row can use any more (invalid in every row)."""
+        keep = self.valid.any(0)  # (S,)
+        if bool(keep.all()):
+            return self
+        return MemoryBank(self.keys[:, keep], self.values[:, keep], self.valid[:, keep], int(keep.sum()))
+
+    def detach(self) -> MemoryBank:
+        return MemoryBank(self.keys.detach(), self.values.detach(), self.valid, self.size)
+
+
+@dataclass
+class MemoryState:
+    """memory: M_{t-1} (B, m, D), the read/write memory of the next segment; bank: RMT-R's past states or None."""
+
+    memory: Tensor
+    bank: MemoryBank | None = None
+
+    def detach(self) -> MemoryState:
+        """The same state cut from the autograd graph (truncated backprop through time)."""
+        return MemoryState(self.memory.detach(), None if self.bank is None else self.bank.detach())
+
+    @property
+    def batch_size(self) -> int:
+        return self.memory.shape[0]

@@ -1,0 +1,213 @@
+"""Recurrent Memory Transformer (Bulatov et al. 2022; the BABILong setup of Kuratov et al. 2024, Sec. 4).
+
+A memory cell around ANY backbone of the protocol (models/backbone.py), which it leaves unchanged. The input is
+split FROM THE RIGHT into segments X_1..X_n of `segment_size` tokens (the first may be shorter; batches are
+left-padded, so the question and answer sit in the last segment). Segment t runs as
+
+    [read memory; X_t; write memory] = [M_{t-1}; X_t; M_{t-1}]  ->  backbone  ->  hidden (B, r + L + m, D)
+
+and the backbone's last (final-normed) hidden states at the write positions become M_t, as in the reference
+implementation, where M_t is `hidden_states[-1]` of the HF model, i.e. the output of the final norm. M_0 is a
+learned (m, D) parameter, initialised normal with the token embeddings' std.
+
+Positions count memory and real tokens: read memory 0..r-1, then the segment's real tokens, then the write memory
+(padding shifts nothing); memory is always attended, padding never. A row whose segment is all padding keeps its
+memory, so extra left padding changes no result.
+
+Backprop through time with depth k2: the memory entering a segment is detached at the start of every block of
+k2 + 1 segments, blocks aligned to the last segment. So the answer (last segment) back-propagates through exactly
+k2 memory transitions, and no loss anywhere through more (k2 = -1: full BPTT; k2 = 0: every transition cut).
+
+Subclasses change three hooks: `initial_state`, `read_memory` (what precedes the segment) and `next_state`
+(RMT-R adds retrieval from a bank of past states; see models/rmt_retrieval.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from models.memory import MemoryState
+from models.outputs import ModelOutput, scored_positions
+
+
+class RMT(nn.Module):
+    """Backbone + m memory tokens, segment-level recurrence. The LM head runs only at scored positions."""
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        num_memory: int,
+        segment_size: int,
+        k2: int = -1,
+        checkpoint_segments: bool = False,
+    ):
+        super().__init__()
+        if num_memory < 0:
+            raise ValueError(f"num_memory must be >= 0, got {num_memory}")
+        if segment_size < 1:
+            raise ValueError(f"segment_size must be >= 1, got {segment_size}")
+        if k2 < -1:
+            raise ValueError(f"k2 must be -1 (full backprop through time) or >= 0, got {k2}")
+        self.backbone = backbone
+        self.num_memory = num_memory
+        self.segment_size = segment_size
+        self.k2 = k2
+        self.checkpoint_segments = checkpoint_segments
+        with torch.no_grad():
+            ids = torch.arange(backbone.vocab_size, device=_device_of(backbone))
+            emb = backbone.embed(ids)
+        self.memory = nn.Parameter(torch.randn(num_memory, backbone.hidden_size, dtype=emb.dtype) * emb.std())
+        self._carried: dict[bool, MemoryState] = {}  # stream mode: state carried between batches, per train/eval
+
+    # ---- hooks (RMT-R overrides them) ------------------------------------------------------------------
+    def initial_state(self, batch_size: int) -> MemoryState:
+        """M_0 for every row: memory (B, m, D)."""
+        return MemoryState(self.memory.expand(batch_size, -1, -1))
+
+    def read_memory(self, state: MemoryState) -> Tensor:
+        """What precedes the segment's tokens: (B, r, D); RMT: M_{t-1} (r = m)."""
+        return state.memory
+
+    def next_state(self, state: MemoryState, new_memory: Tensor, has_tokens: Tensor) -> MemoryState:
+        """State after a segment: new_memory (B, m, D) where the row had real tokens (B,), else unchanged."""
+        return MemoryState(torch.where(has_tokens[:, None, None], new_memory, state.memory))
+
+    def restart_rows(self, state: MemoryState, rows: Tensor) -> MemoryState:
+        """State with the rows where `rows` (B,) is True back at M_0 (stream mode: a new document starts)."""
+        fresh = self.initial_state(state.batch_size).memory
+        return MemoryState(torch.where(rows[:, None, None], fresh, state.memory))
+
+    # ---- one segment -----------------------------------------------------------------------------------
+    def run_segment(
+        self, state: MemoryState, input_ids: Tensor, mask: Tensor | None, write: bool = True
+    ) -> tuple[Tensor, MemoryState | None]:
+        """[read memory; tokens; write memory] through the backbone.
+
+        input_ids (B, L), mask (B, L) 0/1 or None (all real). Returns the tokens' hidden states (B, L, D) and the
+        next state (None when `write` is False, as when generating).
+        """
+        read = self.read_memory(state)  # (B, r, D)
+        parts = [read, self.backbone.embed(input_ids)] + ([state.memory] if write else [])
+        x = torch.cat(parts, 1)  # (B, r + L [+ m], D)
+        r, L = read.shape[1], input_ids.shape[1]
+        if mask is None or bool(mask.all()):
+            attention_mask, positions = None, torch.arange(x.shape[1], device=x.device).expand(len(x), -1)
+        else:
+            ones = mask.new_ones(len(x), r)
+            attention_mask = torch.cat([ones, mask] + ([ones[:, : self.num_memory]] if write else []), 1)
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        hidden = self.backbone(inputs_embeds=x, position_ids=positions, attention_mask=attention_mask)
+        if not write:
+            return hidden[:, r:], None
+        has_tokens = torch.ones(len(x), dtype=torch.bool, device=x.device) if mask is None else mask.bool().any(1)
+        return hidden[:, r : r + L], self.next_state(state, hidden[:, r + L :], has_tokens)
+
+    def _step(self, state: MemoryState, input_ids: Tensor, mask: Tensor | None) -> tuple[Tensor, MemoryState]:
+        if self.checkpoint_segments and self.training and torch.is_grad_enabled():
+            return checkpoint(self.run_segment, state, input_ids, mask, use_reentrant=False)
+        return self.run_segment(state, input_ids, mask)
+
+    # ---- whole sequences -------------------------------------------------------------------------------
+    def segment_bounds(self, length: int) -> list[tuple[int, int]]:
+        """(start, end) of each segment, split from the right: the first one may be shorter."""
+        ends = list(range(length, 0, -self.segment_size))[::-1]
+        return [(max(0, end - self.segment_size), end) for end in ends]
+
+    def cuts_gradient(self, index: int, n_segments: int) -> bool:
+        """True where the memory entering segment `index` (0-based, of `n_segments`) is detached (k2, above)."""
+        return self.k2 >= 0 and index > 0 and (n_segments - 1 - index) % (self.k2 + 1) == self.k2
+
+    def start_state(self, batch: dict) -> MemoryState:
+        """M_0, or in stream mode (a `reset` key in the batch) the carried state with reset rows restarted."""
+        B = batch["input_ids"].shape[0]
+        if "reset" not in batch:
+            return self.initial_state(B)
+        reset = batch["reset"].bool()
+        carried = self._carried.get(self.training)
+        if carried is None or carried.batch_size != B:
+            if carried is not None and not bool(reset.all()):
+                raise ValueError(
+                    f"Stream batch of {B} rows continues a stream of {carried.batch_size} rows; keep the batch size "
+                    "fixed in an ordered loader (drop_last=True) or start it with reset=True on every row."
+                )
+            return self.initial_state(B)
+        return self.restart_rows(carried, reset)
+
+    def scored_hidden(self, batch: dict, recurrent: bool = True) -> Tensor:
+        """Hidden states (N, D) at the scored positions, row-major. recurrent=False: memory reset every segment."""
+        input_ids, labels = batch["input_ids"], batch["labels"]
+        mask = batch.get("attention_mask")
+        B, T = input_ids.shape
+        scored = scored_positions(labels)
+        flat_index = torch.arange(B * T, device=input_ids.device).view(B, T)
+        bounds = self.segment_bounds(T)
+        state = self.start_state(batch)
+        hiddens, keys = [], []
+        for i, (a, b) in enumerate(bounds):
+            if not recurrent:
+                state = self.initial_state(B)
+            elif self.cuts_gradient(i, len(bounds)):
+                state = state.detach()
+            hidden, state = self._step(state, input_ids[:, a:b], None if mask is None else mask[:, a:b])
+            hiddens.append(hidden[scored[:, a:b]])
+            keys.append(flat_index[:, a:b][scored[:, a:b]])
+        if recurrent and "reset" in batch:
+            self._carried[self.training] = state.detach()
+        return torch.cat(hiddens)[torch.cat(keys).argsort()]
+
+    def forward(self, batch: dict) -> ModelOutput:
+        hidden = self.scored_hidden(batch)
+        return ModelOutput(self.backbone.head(hidden), batch["labels"][scored_positions(batch["labels"])])
+
+    @torch.no_grad()
+    def short_context_logprobs(self, batch: dict, out: ModelOutput) -> Tensor:
+        """log P(target) (N,) from each segment alone (memory reset to M_0 every segment), for LongCE."""
+        logits = self.backbone.head(self.scored_hidden(batch, recurrent=False)).float()
+        return logits.log_softmax(-1).gather(-1, out.targets[:, None]).squeeze(-1)
+
+    @torch.no_grad()
+    def iter_logits(self, input_ids: Tensor) -> Iterator[Tensor]:
+        """Logits (B, L_i, V) segment by segment with memory: one segment of activations at a time."""
+        state = self.initial_state(len(input_ids))
+        for a, b in self.segment_bounds(input_ids.shape[1]):
+            hidden, state = self.run_segment(state, input_ids[:, a:b], None)
+            yield self.backbone.head(hidden)
+
+    @torch.no_grad()
+    def generate(
+        self, input_ids: Tensor, max_new_tokens: int, eos_id: int, attention_mask: Tensor | None = None
+    ) -> list[list[int]]:
+        """Greedy answers (B rows) at the last segment of the left-padded prompt (B, T), from its read memory."""
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        bounds = self.segment_bounds(input_ids.shape[1])
+        state = self.initial_state(len(input_ids))
+        for a, b in bounds[:-1]:
+            _, state = self.run_segment(state, input_ids[:, a:b], mask[:, a:b])
+        ids, seg_mask = input_ids[:, bounds[-1][0] :], mask[:, bounds[-1][0] :]
+        out = [[] for _ in range(len(ids))]
+        done = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
+        for _ in range(max_new_tokens):
+            hidden, _ = self.run_segment(state, ids, seg_mask, write=False)
+            nxt = self.backbone.head(hidden[:, -1]).argmax(-1)  # (B,)
+            for row in (~done).nonzero().flatten().tolist():
+                out[row].append(int(nxt[row]))
+            done |= nxt == eos_id
+            if bool(done.all()):
+                break
+            ids, seg_mask = torch.cat([ids, nxt[:, None]], 1), torch.cat([seg_mask, seg_mask.new_ones(len(ids), 1)], 1)
+        return out
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def build_rmt(
+    backbone: nn.Module, num_memory: int, segment_size: int, k2: int = -1, checkpoint_segments: bool = False
+) -> RMT:
+    """Hydra target of configs/model/rmt.yaml: `hydra.utils.instantiate(cfg.model, backbone=backbone)`."""
+    return RMT(backbone, num_memory, segment_size, k2, checkpoint_segments)

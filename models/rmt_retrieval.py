@@ -1,0 +1,101 @@
+"""RMT with self-retrieval, RMT-R (Kuratov et al. 2024, "In Search of Needles in a 11M Haystack", Sec. 4, Eq. 2).
+
+RMT plus one module: every past memory state is kept, and before segment t each memory token of M_{t-1} queries
+all of them with single-head cross-attention (pre-norms, residual, MLP, as in the reference implementation):
+
+    Q = LN(M_{t-1}) W_Q,  K, V = LN([M_0 .. M_{t-1}]) W_K, W_V,  R_t = M_{t-1} + softmax(QK^T / sqrt(d)) V W_O
+    R_t = R_t + MLP(LN(R_t))
+
+and the backbone runs [M_{t-1}; R_t; X_t; M_{t-1}] (read memory 2m, write memory last). The bank holds the keys and
+values of each state (projected once, when the state is made), so it grows as n x m x d; retrieval costs
+O(m x n m) per segment. Truncated backprop through time (k2 >= 0) detaches the bank with the memory, so no
+gradient crosses more than k2 transitions through retrieval either (the reference implementation refuses k2).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from models.memory import MemoryBank, MemoryState
+from models.rmt import RMT
+
+
+class MemoryRetrieval(nn.Module):
+    """Single-head cross-attention of the memory (B, m, D) over a bank of past states (B, S, D), then an MLP."""
+
+    def __init__(self, dim: int, mlp_ratio: int = 4):
+        super().__init__()
+        self.norm_q, self.norm_kv, self.norm_mlp = nn.LayerNorm(dim), nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.q_proj, self.k_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.v_proj, self.o_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim))
+
+    def keys_values(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """What the bank stores of a state (B, m, D): its keys and values, each (B, m, D)."""
+        h = self.norm_kv(memory)
+        return self.k_proj(h), self.v_proj(h)
+
+    def attention(self, memory: Tensor, bank: MemoryBank) -> Tensor:
+        """Attention probabilities (B, m, S) of each memory token over the bank's valid entries."""
+        q = self.q_proj(self.norm_q(memory))  # (B, m, D)
+        scores = q @ bank.keys.transpose(1, 2) / math.sqrt(q.shape[-1])  # (B, m, S)
+        return scores.masked_fill(~bank.valid[:, None, :], float("-inf")).softmax(-1)
+
+    def forward(self, memory: Tensor, bank: MemoryBank) -> Tensor:
+        """Retrieved states R_t (B, m, D)."""
+        r = memory + self.o_proj(self.attention(memory, bank) @ bank.values)
+        return r + self.mlp(self.norm_mlp(r))
+
+
+class RMTRetrieval(RMT):
+    """RMT whose read memory is [M_{t-1}; R_t], R_t retrieved from all past states [M_0 .. M_{t-1}]."""
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        num_memory: int,
+        segment_size: int,
+        k2: int = -1,
+        checkpoint_segments: bool = False,
+        retrieval_mlp_ratio: int = 4,
+    ):
+        if num_memory < 1:
+            raise ValueError(f"RMT-R retrieves memory states, so num_memory must be >= 1, got {num_memory}")
+        super().__init__(backbone, num_memory, segment_size, k2, checkpoint_segments)
+        self.retrieval = MemoryRetrieval(backbone.hidden_size, retrieval_mlp_ratio)
+
+    def _entry(self, memory: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Bank entry of a state (B, m, D) for the rows where valid (B,)."""
+        return *self.retrieval.keys_values(memory), valid[:, None].expand(-1, memory.shape[1])
+
+    def initial_state(self, batch_size: int) -> MemoryState:
+        memory = super().initial_state(batch_size).memory
+        valid = torch.ones(batch_size, dtype=torch.bool, device=memory.device)
+        return MemoryState(memory, MemoryBank.start(*self._entry(memory, valid)))
+
+    def read_memory(self, state: MemoryState) -> Tensor:
+        return torch.cat([state.memory, self.retrieval(state.memory, state.bank)], 1)  # (B, 2m, D)
+
+    def next_state(self, state: MemoryState, new_memory: Tensor, has_tokens: Tensor) -> MemoryState:
+        memory = super().next_state(state, new_memory, has_tokens).memory
+        return MemoryState(memory, state.bank.append(*self._entry(memory, has_tokens)))
+
+    def restart_rows(self, state: MemoryState, rows: Tensor) -> MemoryState:
+        memory = super().restart_rows(state, rows).memory
+        bank = state.bank.invalidate(rows).append(*self._entry(memory, rows)).compact()
+        return MemoryState(memory, bank)
+
+
+def build_rmt_r(
+    backbone: nn.Module,
+    num_memory: int,
+    segment_size: int,
+    k2: int = -1,
+    checkpoint_segments: bool = False,
+    retrieval_mlp_ratio: int = 4,
+) -> RMTRetrieval:
+    """Hydra target of configs/model/rmt_r.yaml: `hydra.utils.instantiate(cfg.model, backbone=backbone)`."""
+    return RMTRetrieval(backbone, num_memory, segment_size, k2, checkpoint_segments, retrieval_mlp_ratio)

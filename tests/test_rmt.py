@@ -1,0 +1,201 @@
+"""RMT (and the segment machinery RMT-R shares): exactness against hand-built computations, padding, truncated
+BPTT, streaming, and a recall task that needs the memory."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.llama import Llama, LlamaConfig
+from models.rmt import RMT, build_rmt
+from models.rmt_retrieval import RMTRetrieval
+
+V = 61
+MODELS = [RMT, RMTRetrieval]
+
+
+def tiny_backbone(vocab_size: int = V, hidden: int = 32, layers: int = 2) -> Llama:
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, n_layers=layers, n_heads=4, n_kv_heads=2,
+                      ffn_size=2 * hidden, max_positions=256)
+    return Llama(cfg)
+
+
+def lm_batch(ids: torch.Tensor, mask: torch.Tensor | None = None) -> dict:
+    """Every real position predicts the next token (the last one predicts itself, to score all positions)."""
+    labels = torch.cat([ids[:, 1:], ids[:, -1:]], 1)
+    if mask is not None:
+        labels = labels.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "labels": labels} | ({} if mask is None else {"attention_mask": mask})
+
+
+def test_zero_memory_one_segment_equals_backbone():
+    torch.manual_seed(0)
+    bb = tiny_backbone().eval()
+    model = RMT(bb, num_memory=0, segment_size=16).eval()
+    ids = torch.randint(0, V, (3, 16))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    out = model(lm_batch(ids, mask))
+    expected = bb.logits(ids, attention_mask=mask)[mask.bool()]
+    torch.testing.assert_close(out.logits, expected)
+
+
+def test_segments_equal_hand_built_forwards():
+    """[M; X_t; M] per segment, split from the right, new memory = last hidden states at the write positions."""
+    torch.manual_seed(0)
+    bb = tiny_backbone().eval()
+    m, L = 3, 5
+    model = RMT(bb, num_memory=m, segment_size=L).eval()
+    ids = torch.randint(0, V, (2, 13))  # segments of 3, 5, 5 tokens
+    memory, logits = model.memory.expand(2, -1, -1), []
+    for a, b in [(0, 3), (3, 8), (8, 13)]:
+        hidden = bb(inputs_embeds=torch.cat([memory, bb.embed(ids[:, a:b]), memory], 1))
+        logits.append(bb.head(hidden[:, m : m + b - a]))
+        memory = hidden[:, m + b - a :]
+    out = model(lm_batch(ids))
+    torch.testing.assert_close(out.logits, torch.cat(logits, 1).flatten(0, 1))
+
+
+@pytest.mark.parametrize("cls", MODELS)
+def test_left_padding_does_not_change_results(cls):
+    """Padding spanning a whole extra segment and part of another gives the unpadded row's logits."""
+    torch.manual_seed(0)
+    model = cls(tiny_backbone(), num_memory=2, segment_size=4).eval()
+    short, long = torch.randint(0, V, (1, 6)), torch.randint(0, V, (1, 13))
+    ids = torch.cat([torch.cat([torch.zeros(1, 7, dtype=torch.long), short], 1), long])
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    batched = model(lm_batch(ids, mask)).logits
+    alone = model(lm_batch(short)).logits
+    torch.testing.assert_close(batched[:6], alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched[6:], model(lm_batch(long)).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cls", MODELS)
+def test_iter_logits_equals_forward(cls):
+    torch.manual_seed(0)
+    model = cls(tiny_backbone(), num_memory=2, segment_size=5).eval()
+    ids = torch.randint(0, V, (2, 17))
+    chunks = list(model.iter_logits(ids))
+    assert [c.shape[1] for c in chunks] == [2, 5, 5, 5]
+    torch.testing.assert_close(torch.cat(chunks, 1).flatten(0, 1), model(lm_batch(ids)).logits)
+
+
+def reachable(k2: int, n: int) -> torch.Tensor:
+    """(t, s) True where the loss at segment t must reach segment s: blocks of k2 + 1 segments from the right."""
+    block = torch.zeros(n, dtype=torch.long) if k2 < 0 else (n - 1 - torch.arange(n)) // (k2 + 1)
+    t, s = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    return (s <= t) & (block[:, None] == block[None, :])
+
+
+@pytest.mark.parametrize("cls", MODELS)
+@pytest.mark.parametrize("k2", [-1, 0, 1, 2])
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_gradients_stop_exactly_at_depth_k2(cls, k2, checkpoint):
+    """Segment s uses its own token ids; the loss at segment t gives their embeddings a gradient iff reachable."""
+    torch.manual_seed(0)
+    n, L = 5, 3
+    model = cls(tiny_backbone(vocab_size=n * L), num_memory=2, segment_size=L, k2=k2, checkpoint_segments=checkpoint)
+    ids = torch.arange(n * L)[None]  # segment s holds tokens s*L .. s*L+L-1
+    expected = reachable(k2, n)
+    for t in range(n):
+        model.zero_grad()
+        labels = torch.full_like(ids, -100)
+        labels[0, t * L + L - 1] = 0
+        out = model({"input_ids": ids, "labels": labels})
+        F.cross_entropy(out.logits, out.targets).backward()
+        grad = model.backbone.embed_tokens.weight.grad.view(n, L, -1)
+        got = grad.abs().sum((1, 2)) > 0
+        assert got.tolist() == expected[t].tolist(), f"loss at segment {t}"
+        assert (model.memory.grad is not None and bool(model.memory.grad.any())) == bool(expected[t, 0])
+
+
+def test_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    grads = []
+    for checkpoint in (False, True):
+        torch.manual_seed(0)
+        model = RMT(tiny_backbone(), num_memory=2, segment_size=4, checkpoint_segments=checkpoint)
+        ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(1))
+        out = model(lm_batch(ids))
+        F.cross_entropy(out.logits, out.targets).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("cls", MODELS)
+def test_generate_answers_at_the_last_segment(cls):
+    """The first greedy token is forward's argmax at the last prompt position; generation stops at EOS."""
+    torch.manual_seed(0)
+    model = cls(tiny_backbone(), num_memory=2, segment_size=4).eval()
+    ids = torch.randint(0, V, (2, 10))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    batch = lm_batch(ids, mask)
+    batch["labels"] = torch.full_like(ids, -100)
+    batch["labels"][:, -1] = 0
+    first = model(batch).logits.argmax(-1)
+    free = model.generate(ids, 3, eos_id=-1, attention_mask=mask)
+    assert [row[0] for row in free] == first.tolist() and all(len(row) == 3 for row in free)
+    eos = int(first[0])
+    stopped = model.generate(ids, 3, eos_id=eos, attention_mask=mask)
+    assert stopped[0] == [eos]
+    assert stopped[1] == free[1][: len(stopped[1])] and (len(stopped[1]) == 3 or stopped[1][-1] == eos)
+
+
+@pytest.mark.parametrize("cls", MODELS)
+def test_stream_mode_carries_memory_and_resets_rows(cls):
+    """Two stream batches of one segment each equal one batch of two segments; a reset row starts afresh."""
+    torch.manual_seed(0)
+    model = cls(tiny_backbone(), num_memory=2, segment_size=4).eval()
+    ids = torch.randint(0, V, (2, 8))
+    whole = model(lm_batch(ids)).logits.view(2, 8, V)
+    model({**lm_batch(ids[:, :4]), "reset": torch.tensor([True, True])})
+    second = model({**lm_batch(ids[:, 4:]), "reset": torch.tensor([False, True])}).logits.view(2, 4, V)
+    torch.testing.assert_close(second[0], whole[0, 4:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(second[1], model(lm_batch(ids[1:, 4:])).logits, atol=1e-5, rtol=1e-5)
+
+
+def recall_batch(n: int, L: int, n_values: int, gen: torch.Generator) -> dict:
+    """Segment 1: filler with one value token at a random place; segment 2: filler, then a query; target = value."""
+    filler = torch.randint(n_values + 1, 2 * n_values + 1, (n, 2 * L), generator=gen)
+    values = torch.randint(0, n_values, (n,), generator=gen)
+    filler[torch.arange(n), torch.randint(0, L, (n,), generator=gen)] = values
+    filler[:, -1] = n_values  # the query token
+    labels = torch.full_like(filler, -100)
+    labels[:, -1] = values
+    return {"input_ids": filler, "labels": labels}
+
+
+def train_recall(recurrent: bool, steps: int = 150) -> float:
+    torch.manual_seed(0)
+    n_values, L = 8, 6
+    model = RMT(tiny_backbone(vocab_size=2 * n_values + 1, hidden=32, layers=2), num_memory=2, segment_size=L)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        batch = recall_batch(32, L, n_values, gen)
+        logits = model.backbone.head(model.scored_hidden(batch, recurrent=recurrent))
+        loss = F.cross_entropy(logits, batch["labels"][batch["labels"] != -100])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    batch = recall_batch(256, L, n_values, gen)
+    with torch.no_grad():
+        logits = model.backbone.head(model.eval().scored_hidden(batch, recurrent=recurrent))
+    return (logits.argmax(-1) == batch["labels"][:, -1]).float().mean().item()
+
+
+def test_memory_carries_a_fact_across_segments():
+    """The fact sits in segment 1, the question in segment 2: RMT learns it, the memory-reset twin cannot."""
+    assert train_recall(recurrent=True) > 0.9
+    assert train_recall(recurrent=False) < 0.35
+
+
+def test_builder_and_bad_arguments():
+    assert build_rmt(tiny_backbone(), num_memory=4, segment_size=8, k2=2).segment_bounds(20) == [(0, 4), (4, 12), (12, 20)]
+    with pytest.raises(ValueError, match="k2 must be -1"):
+        RMT(tiny_backbone(), num_memory=4, segment_size=8, k2=-2)
+    with pytest.raises(ValueError, match="segment_size must be >= 1"):
+        RMT(tiny_backbone(), num_memory=4, segment_size=0)
+    with pytest.raises(ValueError, match="num_memory must be >= 1"):
+        RMTRetrieval(tiny_backbone(), num_memory=0, segment_size=8)
