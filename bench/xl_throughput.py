@@ -12,6 +12,7 @@
 """
 
 import argparse
+import multiprocessing
 import threading
 import time
 
@@ -28,8 +29,15 @@ from models.lm import CausalLM
 def build(args, xl: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, n_layers=args.layers, n_heads=4, n_kv_heads=4,
-        ffn_size=4 * args.hidden, max_positions=2 * args.segment, key_norm=xl, attn_scale=1.0 if xl else None,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        n_layers=args.layers,
+        n_heads=4,
+        n_kv_heads=4,
+        ffn_size=4 * args.hidden,
+        max_positions=2 * args.segment,
+        key_norm=xl,
+        attn_scale=1.0 if xl else None,
     )
     if xl:
         return LlamaXL(Llama(cfg), args.segment, cache_segments=1).to(args.device)
@@ -61,8 +69,8 @@ def train_tokens_per_s(model: torch.nn.Module, args) -> float:
     return best
 
 
-def peak_memory_mib(fn, device: str) -> float:
-    """Peak memory (MiB) above the level before `fn()`."""
+def peak_memory_mib(fn, device: str, rss_base: int) -> float:
+    """Peak memory (MiB) while `fn()` runs: above `rss_base` bytes on CPU, above the pre-call level on GPU."""
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -71,7 +79,6 @@ def peak_memory_mib(fn, device: str) -> float:
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - before) / 2**20
     proc, peak, stop = psutil.Process(), [0], threading.Event()
-    before = proc.memory_info().rss
 
     def sample():
         while not stop.is_set():
@@ -85,45 +92,69 @@ def peak_memory_mib(fn, device: str) -> float:
     finally:
         stop.set()
         sampler.join()
-    return (max(peak[0], proc.memory_info().rss) - before) / 2**20
+    return (max(peak[0], proc.memory_info().rss) - rss_base) / 2**20
+
+
+def memory_curve(name: str, args, lengths: list[int]) -> list[tuple[float, float]]:
+    """(peak MiB, seconds) of ppl_by_position on one random document per length, ascending, for one model."""
+    torch.set_num_threads(args.threads)
+    model = build(args, xl=name == "llama_xl")
+    rss_base = psutil.Process().memory_info().rss
+    curve = []
+    for length in lengths:
+        doc, edges = torch.randint(0, args.vocab, (length,)), position_bins(length, 8)
+        t0 = time.perf_counter()
+        mib = peak_memory_mib(lambda d=doc, e=edges: ppl_by_position(model, [d], e), args.device, rss_base)
+        curve.append((mib, time.perf_counter() - t0))
+    return curve
+
+
+def in_own_process(fn, *fn_args):
+    """fn(*fn_args), in a forked process on CPU so that its RSS reflects that call alone."""
+    if fn_args[1].device != "cpu":
+        return fn(*fn_args)
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        return pool.apply(fn, fn_args)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--segment", type=int, default=256, help="segment length L (baseline sequence length)")
+    parser.add_argument(
+        "--segment", type=int, default=256, help="segment length L = baseline sequence length"
+    )
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--doc-lengths", default="4096,16384,65536", help="comma-separated document lengths")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    models = {"baseline": build(args, xl=False), "llama_xl": build(args, xl=True)}
-
     L, D, n = args.segment, args.hidden, args.layers
-    weights = sum(p.numel() for name, p in models["baseline"].named_parameters() if "embed_tokens" not in name)
-    matmul = 6 * weights  # train FLOPs per token outside attention (fwd + bwd)
-    attention = {"baseline": (L + 1) / 2, "llama_xl": L + (L + 1) / 2}  # keys per query
-    expected = (matmul + 12 * n * D * attention["llama_xl"]) / (matmul + 12 * n * D * attention["baseline"])
+
+    models = {"baseline": build(args, xl=False), "llama_xl": build(args, xl=True)}
+    weights = sum(p.numel() for k, p in models["baseline"].named_parameters() if "embed_tokens" not in k)
+    keys = {"baseline": (L + 1) / 2, "llama_xl": L + (L + 1) / 2}  # attended keys per query
+    flops = {name: 6 * weights + 12 * n * D * k for name, k in keys.items()}  # train FLOPs per token
     print(f"train step, B={args.batch} L={L} D={D} layers={n} V={args.vocab} on {args.device}:")
     rates = {name: train_tokens_per_s(m.train(), args) for name, m in models.items()}
     for name, rate in rates.items():
         print(f"  {name:9s} {rate:12,.0f} tokens/s")
-    print(f"  llama_xl / baseline = {rates['llama_xl'] / rates['baseline']:.2f} (FLOP estimate: {1 / expected:.2f})")
+    ratio, expected = rates["llama_xl"] / rates["baseline"], flops["baseline"] / flops["llama_xl"]
+    print(f"  llama_xl / baseline = {ratio:.2f} (FLOP estimate {expected:.2f})")
+    del models
 
-    print(f"peak memory of ppl_by_position on one document ({args.device}, MiB above the pre-call level):")
-    for length in [int(x) for x in args.doc_lengths.split(",")]:
-        doc = torch.randint(0, args.vocab, (length,))
-        edges = position_bins(length, 8, "log")
-        row = []
-        for name, model in models.items():
-            t0 = time.perf_counter()
-            mib = peak_memory_mib(lambda m=model: ppl_by_position(m, [doc], edges), args.device)
-            row.append(f"{name} {mib:7.1f} MiB ({time.perf_counter() - t0:5.1f} s)")
-        print(f"  {length:>6} tokens: " + "   ".join(row))
+    lengths = [int(x) for x in args.doc_lengths.split(",")]
+    where = (
+        "peak RSS above the RSS once built, own process" if args.device == "cpu" else "peak above pre-call"
+    )
+    print(f"memory of ppl_by_position on one document ({args.device}, MiB, {where}):")
+    curves = {name: in_own_process(memory_curve, name, args, lengths) for name in ("baseline", "llama_xl")}
+    for i, length in enumerate(lengths):
+        row = "   ".join(f"{name} {c[i][0]:7.1f} MiB ({c[i][1]:5.1f} s)" for name, c in curves.items())
+        print(f"  {length:>6} tokens: {row}")
 
 
 if __name__ == "__main__":

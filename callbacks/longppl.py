@@ -89,6 +89,78 @@ def full_context_logprobs(logits_fn: LogitsFn, tokens: torch.Tensor) -> torch.Te
     return token_logprobs(_call_logits(logits_fn, tokens[None]), tokens[None])[0]
 
 
+@dataclass(frozen=True)
+class ShortWindows:
+    """The sliding windows of a padded batch: window w (K + d - 1 tokens) scores the d tokens `targets[w]` from
+    its last d positions; `scatter` puts one value per target back at its (row, position) of the batch."""
+
+    windows: torch.Tensor  # (W, K + d - 1)
+    targets: torch.Tensor  # (W, d)
+    rows: list[tuple[int, torch.Tensor]]  # per row with windows: (row, scored positions (n - start,))
+    n_windows: list[int]  # windows per entry of `rows`
+    shape: tuple[int, int]  # (B, T) of the batch
+
+    def score(self, last_logits_fn: LogitsFn, batch_size: int) -> torch.Tensor:
+        """Log-probs (W, d) of the targets; last_logits_fn(windows (b, K+d-1)) -> logits (b, d, V) at the
+        windows' last d positions, called on `batch_size` windows at a time."""
+        if not len(self.windows):
+            return self.targets.new_zeros(self.targets.shape, dtype=torch.float32)
+        return torch.cat(
+            [
+                _gather_logprobs(last_logits_fn(w), t)  # (b, d)
+                for w, t in zip(self.windows.split(batch_size), self.targets.split(batch_size), strict=True)
+            ]
+        )
+
+    def scatter(self, block_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W, d) values -> short (B, T) float32, NaN where there is no short context, and has_short (B, T)."""
+        device = self.windows.device
+        short = torch.full(self.shape, float("nan"), device=device)
+        has_short = torch.zeros(self.shape, dtype=torch.bool, device=device)
+        for (row, positions), blocks in zip(self.rows, block_logprobs.split(self.n_windows), strict=True):
+            short[row, positions] = blocks.flatten()[: positions.numel()].float()
+            has_short[row, positions] = True
+        return short, has_short
+
+
+def short_context_windows(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, K: int, d: int
+) -> ShortWindows:
+    """The windows of Eq. 8 for every row of a padded batch, all rows stacked.
+
+    input_ids (B, T); attention_mask (B, T), True/1 on real tokens (any padding side; None: no padding).
+    Each row's real tokens, in order, form its text; padding never enters a window.
+    """
+    _check_window(K, d, 1)
+    if input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise ValueError(
+            f"input_ids must be a (B, T) LongTensor, got {tuple(input_ids.shape)} {input_ids.dtype}"
+        )
+    mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(mask.shape)} must match input_ids {tuple(input_ids.shape)}")
+    start, window_len = first_short_index(K, d), K + d - 1
+    windows, targets, rows = [], [], []  # per row: (n_blocks, K+d-1), (n_blocks, d), (row, positions)
+    for row in range(input_ids.shape[0]):
+        positions = mask[row].nonzero()[:, 0]  # (n,)
+        n = positions.numel()
+        if n <= start:
+            continue
+        n_blocks = -(-(n - start) // d)
+        text = F.pad(input_ids[row, positions], (0, start + n_blocks * d - n))
+        windows.append(text[start - K :].unfold(0, window_len, d)[:n_blocks])
+        targets.append(text[start : start + n_blocks * d].view(n_blocks, d))
+        rows.append((row, positions[start:]))
+    empty = input_ids.new_zeros(0, window_len), input_ids.new_zeros(0, d)
+    return ShortWindows(
+        windows=torch.cat(windows) if windows else empty[0],
+        targets=torch.cat(targets) if targets else empty[1],
+        rows=rows,
+        n_windows=[len(w) for w in windows],
+        shape=tuple(input_ids.shape),
+    )
+
+
 @torch.no_grad()
 def sliding_window_short_logprobs(
     logits_fn: LogitsFn,
@@ -105,44 +177,8 @@ def sliding_window_short_logprobs(
     Returns short_logprobs (B, T) float32, NaN where there is no short context, and has_short (B, T) bool.
     """
     _check_window(K, d, batch_size)
-    if input_ids.dim() != 2 or input_ids.dtype != torch.long:
-        raise ValueError(
-            f"input_ids must be a (B, T) LongTensor, got {tuple(input_ids.shape)} {input_ids.dtype}"
-        )
-    mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    if mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask {tuple(mask.shape)} must match input_ids {tuple(input_ids.shape)}")
-    start, window_len = first_short_index(K, d), K + d - 1
-    short = torch.full(input_ids.shape, float("nan"), device=input_ids.device)
-    has_short = torch.zeros_like(mask)
-
-    windows, targets, scored = [], [], []  # per row: (n_blocks, K+d-1), (n_blocks, d), positions (n - start,)
-    for row in range(input_ids.shape[0]):
-        positions = mask[row].nonzero()[:, 0]  # (n,)
-        n = positions.numel()
-        if n <= start:
-            continue
-        n_blocks = -(-(n - start) // d)
-        text = F.pad(input_ids[row, positions], (0, start + n_blocks * d - n))
-        windows.append(text[start - K :].unfold(0, window_len, d)[:n_blocks])
-        targets.append(text[start : start + n_blocks * d].view(n_blocks, d))
-        scored.append((row, positions[start:]))
-    if not windows:
-        return short, has_short
-
-    all_windows, all_targets = torch.cat(windows), torch.cat(targets)
-    logprobs = torch.cat(
-        [
-            _gather_logprobs(_call_logits(logits_fn, w)[:, K - 1 :], t)  # (b, d)
-            for w, t in zip(all_windows.split(batch_size), all_targets.split(batch_size), strict=True)
-        ]
-    )
-    for (row, positions), block_logprobs in zip(
-        scored, logprobs.split([len(w) for w in windows]), strict=True
-    ):
-        short[row, positions] = block_logprobs.flatten()[: positions.numel()]
-        has_short[row, positions] = True
-    return short, has_short
+    windows = short_context_windows(input_ids, attention_mask, K, d)
+    return windows.scatter(windows.score(lambda w: _call_logits(logits_fn, w)[:, K - 1 :], batch_size))
 
 
 def short_context_logprobs(

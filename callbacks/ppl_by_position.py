@@ -56,7 +56,9 @@ class PplByPositionResult:
     def __post_init__(self):
         if not len(self.nll_sum) == len(self.n_tokens) == len(self.edges) - 1:
             raise ValueError("nll_sum and n_tokens need one entry per bin (len(edges) - 1)")
-        self.ppl = [math.exp(s / n) if n else math.nan for s, n in zip(self.nll_sum, self.n_tokens)]
+        self.ppl = [
+            math.exp(s / n) if n else math.nan for s, n in zip(self.nll_sum, self.n_tokens, strict=True)
+        ]
 
     @property
     def overall_ppl(self) -> float:
@@ -68,7 +70,7 @@ class PplByPositionResult:
         """One dict per bin: start, end (exclusive), ppl, n_tokens."""
         return [
             {"start": lo, "end": hi, "ppl": p, "n_tokens": n}
-            for lo, hi, p, n in zip(self.edges[:-1], self.edges[1:], self.ppl, self.n_tokens)
+            for lo, hi, p, n in zip(self.edges[:-1], self.edges[1:], self.ppl, self.n_tokens, strict=True)
         ]
 
     def to_csv(self, path: str | Path) -> None:
@@ -102,7 +104,11 @@ def _batches(docs: TokenDocs, max_len: int, min_len: int, batch_size: int) -> li
         t = _as_long(doc)[:max_len]
         if len(t) >= min_len:
             by_len.setdefault(len(t), []).append(t)
-    return [group[i : i + batch_size] for _, group in sorted(by_len.items()) for i in range(0, len(group), batch_size)]
+    return [
+        group[i : i + batch_size]
+        for _, group in sorted(by_len.items())
+        for i in range(0, len(group), batch_size)
+    ]
 
 
 @torch.no_grad()
@@ -139,7 +145,9 @@ def ppl_by_position(
                             f"iter_logits must yield (B={B}, T_i, V) chunks covering the {L} input positions in "
                             f"order; got {tuple(logits.shape)} after {done} positions."
                         )
-                    pos = torch.arange(done + 1, done + logits.shape[1] + 1, device=device)  # predicted tokens
+                    pos = torch.arange(
+                        done + 1, done + logits.shape[1] + 1, device=device
+                    )  # predicted tokens
                     keep = (pos < L) & (pos >= edges[0])
                     pos, chunk = pos[keep], logits[:, keep].float()
                     nll = chunk.logsumexp(-1) - chunk.gather(-1, ids[:, pos, None])[..., 0]  # (B, n)
@@ -149,7 +157,9 @@ def ppl_by_position(
                     done += logits.shape[1]
                     bar.advance(task, B * logits.shape[1])
                 if done != L:
-                    raise ValueError(f"iter_logits covered {done} of {L} positions; its chunks must cover all.")
+                    raise ValueError(
+                        f"iter_logits covered {done} of {L} positions; its chunks must cover all."
+                    )
     finally:
         model.train(was_training)
     return PplByPositionResult(edges, nll_sum.tolist(), counts.tolist(), sum(len(b) for b in batches))
@@ -197,7 +207,9 @@ class PplByPosition(Callback):
         out_dir: str | None = None,
     ):
         if (docs is None) == (docs_fn is None):
-            raise ValueError("Give exactly one of docs (token arrays) or docs_fn (a function returning them).")
+            raise ValueError(
+                "Give exactly one of docs (token arrays) or docs_fn (a function returning them)."
+            )
         if every_n_val < 1:
             raise ValueError(f"every_n_val must be >= 1, got {every_n_val}")
         self.docs, self.docs_fn = docs, docs_fn
@@ -231,5 +243,7 @@ class PplByPosition(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(scalars, step=step)
             if hasattr(logger, "log_table") and hasattr(logger, "log_image"):
-                logger.log_table("val/ppl_by_position", columns=["start", "end", "ppl", "n_tokens"], data=rows, step=step)
+                logger.log_table(
+                    "val/ppl_by_position", columns=["start", "end", "ppl", "n_tokens"], data=rows, step=step
+                )
                 logger.log_image("val/ppl_by_position/plot", images=[str(png)], step=step)

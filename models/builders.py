@@ -12,13 +12,24 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from hydra.utils import instantiate
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate as hydra_instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from callbacks.checkpoint import AtomicCheckpointIO
 from models.lit_module import LitModule
 
 log = logging.getLogger(__name__)
+
+
+def instantiate(cfg, *args, **kwargs):
+    """hydra.utils.instantiate, re-raising our own errors unwrapped so the user sees the message that names the fix."""
+    try:
+        return hydra_instantiate(cfg, *args, **kwargs)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, (ValueError, FileNotFoundError, ImportError)):
+            raise e.__cause__ from None
+        raise
 
 
 def auto_precision() -> str:
@@ -74,6 +85,8 @@ class Run:
 def build_callbacks(cfg: DictConfig, datamodule) -> list:
     callbacks = []
     for name, c in (cfg.get("callbacks") or {}).items():
+        if name == "progress_bar" and not cfg.trainer.get("enable_progress_bar", True):
+            continue
         if name == "model_checkpoint" and c.get("monitor") is None:
             monitor, mode = getattr(datamodule, "monitor", ("val/loss", "min"))
             c = OmegaConf.merge(c, {"monitor": monitor, "mode": mode})

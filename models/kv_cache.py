@@ -43,7 +43,9 @@ class XLKVCache:
                 "(e.g. max_segments=1: the previous segment, as in the paper)"
             )
         if (max_tokens or max_segments) < 1:
-            raise ValueError(f"cache size must be >= 1, got max_tokens={max_tokens}, max_segments={max_segments}")
+            raise ValueError(
+                f"cache size must be >= 1, got max_tokens={max_tokens}, max_segments={max_segments}"
+            )
         self.max_tokens, self.max_segments, self.detach = max_tokens, max_segments, detach
         self.clear()
 

@@ -97,16 +97,14 @@ class LlamaXL(nn.Module):
         return cache
 
     def forward(self, batch: dict) -> ModelOutput:
-        ids, labels = batch["input_ids"], batch["labels"]
+        ids, labels, S = batch["input_ids"], batch["labels"], self.segment_size
         mask = batch.get("attention_mask")
         cache = self._stream_cache(batch)
-        hidden = torch.cat(
-            [
-                self._segment(seg, None if mask is None else mask[:, start : start + seg.shape[1]], cache)
-                for start, seg in zip(range(0, ids.shape[1], self.segment_size), ids.split(self.segment_size, 1))
-            ],
-            dim=1,
-        )  # (B, T, D)
+        segments = [
+            self._segment(ids[:, a : a + S], None if mask is None else mask[:, a : a + S], cache)
+            for a in range(0, ids.shape[1], S)
+        ]
+        hidden = torch.cat(segments, dim=1)  # (B, T, D)
         scored = scored_positions(labels)
         return ModelOutput(self.backbone.head(hidden[scored]), labels[scored])
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from callbacks.longppl import short_context_windows
 from models.outputs import ModelOutput, scored_positions
 
 
@@ -42,6 +43,41 @@ class CausalLM(nn.Module):
             done = end
 
     @torch.no_grad()
+    def short_context_logprobs(
+        self, batch: dict, out: ModelOutput, K: int | None = None, d: int | None = None
+    ) -> Tensor:
+        """log P(target | short context) (N,) at the scored positions of `out`, for LongCE; no grad.
+
+        Short context: the sliding window of Fang et al. 2024 (App. A.1, Eq. 8) over each row's text (its real
+        tokens, then the last one's target): a target at text index j, in block k = j // d, is predicted from
+        text[kd - K : j] alone, one forward per window of K + d - 1 tokens, windows of all rows batched.
+        NaN where the target has no short context (kd < K): LongCE gives it weight 1. Needs next-token labels
+        (labels[:, t] == the next real input token) wherever both exist.
+        """
+        if K is None or d is None:
+            raise ValueError(
+                f"CausalLM needs the short context length K and block d (loss.K, loss.d), got {K}, {d}"
+            )
+        ids, labels = batch["input_ids"], batch["labels"]
+        mask = batch.get("attention_mask")
+        mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+        text_ids, text_mask = _append_last_target(ids, labels, mask)  # (B, T+1)
+        scored = scored_positions(labels)
+        if not bool((mask & text_mask[:, 1:] & (text_ids[:, 1:] == labels))[scored].all()):
+            raise ValueError(
+                "short_context_logprobs needs next-token labels: at every scored position t, input t is real and "
+                "labels[:, t] equals the next real input token (or ends the row)"
+            )
+        windows = short_context_windows(text_ids, text_mask, K, d)
+
+        def last_logits(w: Tensor) -> Tensor:  # (b, K+d-1) -> (b, d, V): the vocabulary only where scored
+            return self.backbone.head(self.backbone(input_ids=w)[:, K - 1 :])
+
+        per_forward = max(1, ids.numel() // (K + d - 1))  # windows per forward: about one batch of tokens
+        short, _ = windows.scatter(windows.score(last_logits, per_forward))  # (B, T+1), NaN: no short context
+        return short[:, 1:][scored]
+
+    @torch.no_grad()
     def generate(self, input_ids: Tensor, max_new_tokens: int, eos_id: int) -> list[list[int]]:
         """Greedy continuation of each prompt row (B, T) until EOS or `max_new_tokens`."""
         out, ids = [[] for _ in range(len(input_ids))], input_ids
@@ -55,6 +91,19 @@ class CausalLM(nn.Module):
                 break
             ids = torch.cat([ids, nxt[:, None]], 1)
         return out
+
+
+def _append_last_target(ids: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row's text as (B, T+1) ids and mask: the real inputs, then the target of the last real one (if any)."""
+    B, T = ids.shape
+    last = T - 1 - mask.flip(1).long().argmax(1)  # (B,) last real position
+    rows = torch.arange(B, device=ids.device)
+    target = labels[rows, last]
+    add = mask.any(1) & (target != -100)
+    text_ids, text_mask = nn.functional.pad(ids, (0, 1)), nn.functional.pad(mask, (0, 1))
+    text_ids[rows[add], last[add] + 1] = target[add]
+    text_mask[rows[add], last[add] + 1] = True
+    return text_ids, text_mask
 
 
 def build_causal_lm(backbone: nn.Module, window: int = 1024, stride: int | None = None) -> CausalLM:

@@ -18,8 +18,16 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 
 def tiny_cfg(**kw) -> LlamaConfig:
     base = dict(
-        vocab_size=V, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_size=128, max_positions=128,
-        key_norm=True, attn_scale=1.0, init_std=0.1,
+        vocab_size=V,
+        hidden_size=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_size=128,
+        max_positions=128,
+        key_norm=True,
+        attn_scale=1.0,
+        init_std=0.1,
     )
     return LlamaConfig(**{**base, **kw})
 
@@ -37,7 +45,9 @@ def batch_logits(model: LlamaXL, input_ids: torch.Tensor, **extra) -> torch.Tens
     return out.logits.view(*input_ids.shape, -1)
 
 
-def xl_mask(T: int, S: int, cache_tokens: int | None = None, cache_segments: int | None = None) -> torch.Tensor:
+def xl_mask(
+    T: int, S: int, cache_tokens: int | None = None, cache_segments: int | None = None
+) -> torch.Tensor:
     """(1, 1, T, T) mask of a full forward that sees what Llama-XL sees: a query of the segment starting at a
     attends causally within its segment and to the cached tokens before a (the last N, or the last m segments)."""
     q, k = torch.arange(T)[:, None], torch.arange(T)[None, :]
@@ -70,7 +80,9 @@ def test_segments_equal_full_forward_with_xl_mask(cache, how):
         want = model.backbone.logits(ids, attention_mask=xl_mask(T, S, **cache))
         plain = model.backbone.logits(ids)
     torch.testing.assert_close(got, want, **TOL)
-    assert (got[:, 2 * S :] - plain[:, 2 * S :]).abs().max() > 1e-2  # the check can tell XL from full attention
+    assert (
+        got[:, 2 * S :] - plain[:, 2 * S :]
+    ).abs().max() > 1e-2  # the check can tell XL from full attention
 
 
 def test_stream_continues_across_batches_and_restarts_on_reset():
@@ -99,19 +111,20 @@ def test_batch_without_reset_starts_fresh_streams():
     torch.testing.assert_close(got, want, **TOL)
 
 
-def test_padded_tokens_are_never_attended():
-    """Right padding at a document end (ordered loader): real tokens see only real keys, also from the cache."""
+def test_padded_keys_are_never_attended_also_from_the_cache():
+    """Left padding inside the first segment: the second segment's queries must ignore it in the cache."""
     model = xl_model(8).eval()
     ids = torch.randint(0, V, (2, 16))
     mask = torch.ones_like(ids)
-    mask[0, 5:] = 0  # row 0's document ends inside its first segment
+    mask[0, :5] = 0
     noisy = ids.clone()
-    noisy[0, 5:] = torch.randint(0, V, (11,))
+    noisy[0, :5] = torch.randint(0, V, (5,))
     with torch.no_grad():
         a = batch_logits(model, ids, attention_mask=mask)
         b = batch_logits(model, noisy, attention_mask=mask)
-    torch.testing.assert_close(a[0, :5], b[0, :5], **TOL)
-    torch.testing.assert_close(a[1], b[1], **TOL)
+        unmasked = batch_logits(model, noisy)
+    torch.testing.assert_close(a[:, 5:], b[:, 5:], **TOL)
+    assert (unmasked[0, 8:] - a[0, 8:]).abs().max() > 1e-2  # the padded tokens would matter if attended
 
 
 def test_batch_size_change_mid_stream_is_explained():
@@ -139,7 +152,9 @@ def test_detach_cache_controls_gradient_into_the_previous_segment(detach):
     labels = torch.cat([torch.full((1, 8), -100), torch.randint(0, V, (1, 8))], dim=1)  # score segment 2 only
     for reset in (True, False):  # the second batch continues the stream: its graph must not reach the first's
         model.zero_grad()
-        out = model({"input_ids": torch.cat([first, second], 1), "labels": labels, "reset": torch.tensor([reset])})
+        out = model(
+            {"input_ids": torch.cat([first, second], 1), "labels": labels, "reset": torch.tensor([reset])}
+        )
         F.cross_entropy(out.logits, out.targets).backward()
         grad_first = model.backbone.embed_tokens.weight.grad[first[0]].abs().sum()
         assert (grad_first == 0) if detach else (grad_first > 0)
@@ -226,14 +241,28 @@ def test_hf_llama_weights_load_unchanged(tmp_path):
     torch.manual_seed(1)
     hf = LlamaForCausalLM(
         HFLlamaConfig(
-            vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+            vocab_size=V,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
         )
     )
     hf.save_pretrained(tmp_path)
     backbone = build_llama(
-        vocab_size=V, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_size=128, max_positions=128,
-        key_norm=True, attn_scale=1.0, weights=str(tmp_path),
+        vocab_size=V,
+        hidden_size=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_size=128,
+        max_positions=128,
+        key_norm=True,
+        attn_scale=1.0,
+        weights=str(tmp_path),
     )
     xl = build_llama_xl(backbone, segment_size=16, cache_tokens=64)
     ours = xl.backbone.to_hf_state_dict()

@@ -24,8 +24,16 @@ V = 61
 def make_model(kind: str):
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=V, hidden_size=32, n_layers=2, n_heads=2, n_kv_heads=2, ffn_size=64, max_positions=64,
-        key_norm=kind == "xl", attn_scale=1.0 if kind == "xl" else None, init_std=0.1,
+        vocab_size=V,
+        hidden_size=32,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=2,
+        ffn_size=64,
+        max_positions=64,
+        key_norm=kind == "xl",
+        attn_scale=1.0 if kind == "xl" else None,
+        init_std=0.1,
     )
     if kind == "xl":
         return LlamaXL(Llama(cfg), segment_size=8, cache_segments=1)
@@ -43,7 +51,7 @@ def brute_force(model, docs, edges) -> tuple[list[float], list[int]]:
                 if edges[i] <= j < edges[i + 1]:
                     sums[i] -= float(logp[j - 1, ids[j]])
                     counts[i] += 1
-    return [math.exp(s / n) if n else math.nan for s, n in zip(sums, counts)], counts
+    return [math.exp(s / n) if n else math.nan for s, n in zip(sums, counts, strict=True)], counts
 
 
 @pytest.mark.parametrize("kind", ["full", "sliding", "xl"])
@@ -134,7 +142,11 @@ def test_callback_runs_every_n_validations_and_logs(tmp_path):
     callback = PplByPosition(docs_fn=docs_fn, max_len=32, n_bins=4, every_n_val=2)
     logger = RecordingLogger()
     trainer = SimpleNamespace(
-        sanity_checking=True, is_global_zero=True, global_step=0, default_root_dir=str(tmp_path), loggers=[logger]
+        sanity_checking=True,
+        is_global_zero=True,
+        global_step=0,
+        default_root_dir=str(tmp_path),
+        loggers=[logger],
     )
     module = SimpleNamespace(model=model)
     callback.on_validation_epoch_end(trainer, module)  # sanity check: skipped
@@ -148,5 +160,7 @@ def test_callback_runs_every_n_validations_and_logs(tmp_path):
     assert scalars["val/ppl_by_position/last_bin"] == pytest.approx(want.ppl[-1])
     columns, rows = logger.tables["val/ppl_by_position"]
     assert columns == ["start", "end", "ppl", "n_tokens"] and len(rows) == len(want.ppl)
-    assert PplByPositionResult.load_json(tmp_path / "ppl_by_position" / "step40.json").n_tokens == want.n_tokens
+    assert (
+        PplByPositionResult.load_json(tmp_path / "ppl_by_position" / "step40.json").n_tokens == want.n_tokens
+    )
     assert logger.images["val/ppl_by_position/plot"] == [str(tmp_path / "ppl_by_position" / "step40.png")]

@@ -4,7 +4,10 @@ BPTT, streaming, and a recall task that needs the memory."""
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel
 
+from callbacks.memory_maps import attention_maps, attention_probs, memory_figures, memory_states
+from models.backbone import HFBackbone
 from models.llama import Llama, LlamaConfig
 from models.rmt import RMT, build_rmt
 from models.rmt_retrieval import RMTRetrieval
@@ -199,3 +202,57 @@ def test_builder_and_bad_arguments():
         RMT(tiny_backbone(), num_memory=4, segment_size=0)
     with pytest.raises(ValueError, match="num_memory must be >= 1"):
         RMTRetrieval(tiny_backbone(), num_memory=0, segment_size=8)
+
+
+def tiny_gpt2() -> HFBackbone:
+    cfg = GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0,
+                     embd_pdrop=0.0)
+    return HFBackbone(GPT2LMHeadModel(cfg))
+
+
+def test_wraps_a_hugging_face_backbone():
+    """GPT-2 through HFBackbone: zero memory equals the model itself; left padding changes nothing."""
+    torch.manual_seed(0)
+    bb = tiny_gpt2().eval()
+    ids = torch.randint(0, V, (2, 9))
+    bare = RMT(bb, num_memory=0, segment_size=9).eval()
+    torch.testing.assert_close(bare(lm_batch(ids)).logits, bb.model(ids).logits.flatten(0, 1), atol=1e-5, rtol=1e-5)
+    model = RMT(bb, num_memory=2, segment_size=4).eval()
+    padded = torch.cat([torch.zeros(2, 5, dtype=torch.long), ids], 1)
+    mask = torch.cat([torch.zeros(2, 5, dtype=torch.long), torch.ones_like(ids)], 1)
+    torch.testing.assert_close(model(lm_batch(padded, mask)).logits, model(lm_batch(ids)).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_probs_reproduce_the_layer_output():
+    """The probabilities re-derived from an attention layer's inputs give back the layer's output."""
+    torch.manual_seed(0)
+    bb = tiny_backbone().eval()
+    seen = []
+    bb.layers[1].self_attn.register_forward_hook(lambda mod, args, out: seen.append((args, out)))
+    ids = torch.randint(0, V, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    bb(ids, attention_mask=mask)
+    (x, positions, mask_for, *_), out = seen[0]
+    attn = bb.layers[1].self_attn
+    probs = attention_probs(attn, x, positions, mask_for)  # (B, H, T, T)
+    v = attn.v_proj(x).view(2, 7, 2, -1).transpose(1, 2).repeat_interleave(2, dim=1)
+    torch.testing.assert_close(attn.o_proj((probs @ v).transpose(1, 2).reshape(2, 7, -1)), out)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 4, 7))
+
+
+def test_memory_figures():
+    """Distance map over M_0..M_n; write/read attention maps with our Llama, only the distance map for HF models."""
+    torch.manual_seed(0)
+    model = RMT(tiny_backbone(), num_memory=2, segment_size=4).eval()
+    ids = torch.randint(0, V, (14,))
+    states = memory_states(model, ids)
+    assert states.shape == (5, 2, 32)
+    torch.testing.assert_close(states[0], model.memory)
+    figures = memory_figures(model, ids, torch.ones_like(ids))
+    assert set(figures) == {"distance", "write", "read"}
+    assert figures["read"].axes[0].images[0].get_array().shape == (4, 2)  # last segment's tokens x read memory
+    hf = RMT(tiny_gpt2(), num_memory=2, segment_size=4).eval()
+    assert set(memory_figures(hf, ids)) == {"distance"}
+    with pytest.raises(TypeError, match="need our Llama backbone"):
+        attention_maps(hf, hf.initial_state(1), ids[None, :4])

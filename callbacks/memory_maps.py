@@ -1,0 +1,170 @@
+"""What RMT's memory does along a long sample (Kuratov et al. 2024, Fig. 10).
+
+(a, b) Pairwise L2 distances between the memory states M_0 .. M_n of one sample: memory barely moves over
+background and jumps where a fact is written. (c, d) Attention over memory: the write memory attending to the
+segment that changes memory most (writing a fact), and the last segment's tokens attending to the read memory
+(reading it to answer).
+
+Attention probabilities are re-derived from hooks on the inputs of our Llama's attention layers (queries, keys,
+rotary positions and mask exactly as the layer builds them), averaged over heads and layers. Hugging Face backbones
+hide these internals, so with them only the distance map is drawn (`attention_maps` raises a clear error).
+
+Plain functions return matplotlib figures; `MemoryMapsCallback` draws them for a few validation samples, saves
+PNGs under the run folder and logs them to W&B when a W&B logger is attached.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from matplotlib.figure import Figure
+from torch import Tensor
+
+from models.llama import Attention, Llama, apply_rope, rope_cos_sin
+from models.memory import MemoryState
+from models.rmt import RMT
+
+
+@torch.no_grad()
+def memory_states(model: RMT, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    """Memory states M_0 .. M_n (n + 1, m, D) of one sample input_ids (T,) (padding allowed, mask (T,))."""
+    ids = input_ids[None]
+    mask = None if attention_mask is None else attention_mask[None]
+    state = model.initial_state(1)
+    states = [state.memory[0]]
+    for a, b in model.segment_bounds(ids.shape[1]):
+        _, state = model.run_segment(state, ids[:, a:b], None if mask is None else mask[:, a:b])
+        states.append(state.memory[0])
+    return torch.stack(states).float()
+
+
+def distance_figure(states: Tensor, title: str = "Memory states: pairwise L2 distance") -> Figure:
+    """Heat map (n + 1, n + 1) of distances between flattened memory states (n + 1, m, D)."""
+    flat = states.flatten(1)
+    dist = torch.cdist(flat[None], flat[None])[0].cpu().numpy()
+    fig = Figure(figsize=(5, 4.2), layout="constrained")
+    ax = fig.subplots()
+    im = ax.imshow(dist, cmap="coolwarm_r")
+    ax.set(title=title, xlabel="memory state t", ylabel="memory state t")
+    fig.colorbar(im, ax=ax, label="distance (red = similar)")
+    return fig
+
+
+def attention_probs(attn: Attention, x: Tensor, positions: Tensor, mask_for) -> Tensor:
+    """Probabilities (B, H, T, T) of one of our Llama's attention layers, from its inputs (as the layer gets them:
+    normed hidden states x (B, T, D), positions (B, T) and its mask builder), without a KV cache."""
+    cfg, (B, T, _) = attn.cfg, x.shape
+    q = attn.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+    k = attn.k_proj(x).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+    if cfg.key_norm:
+        k = F.normalize(k, dim=-1)
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, q.dtype)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k = k.repeat_interleave(cfg.n_heads // cfg.n_kv_heads, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * (cfg.attn_scale or cfg.head_dim**-0.5)  # (B, H, T, T)
+    allowed = mask_for(T)
+    if allowed is None:
+        allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    return scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+
+
+@torch.no_grad()
+def attention_maps(model: RMT, state: MemoryState, input_ids: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Attention probabilities (Tq, Tk) of one segment [read; tokens; write] (input_ids (1, L)), mean over layers
+    and heads, re-derived from each attention layer's inputs. Needs our Llama backbone."""
+    backbone = model.backbone
+    if not isinstance(backbone, Llama):
+        raise TypeError(
+            f"Attention maps need our Llama backbone (backbone=tiny|llama_83m|smollm2_135m), got "
+            f"{type(backbone).__name__}: Hugging Face models do not expose their attention inputs."
+        )
+    maps: list[Tensor] = []
+
+    def capture(attn, args, _output):
+        maps.append(attention_probs(attn, *args[:3]).float().mean(1)[0])
+
+    handles = [layer.self_attn.register_forward_hook(capture) for layer in backbone.layers]
+    try:
+        model.run_segment(state, input_ids, mask)
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.stack(maps).mean(0)
+
+
+def attention_figure(probs: Tensor, rows: slice, cols: slice, title: str, row_label: str, col_label: str) -> Figure:
+    """Heat map of a block of attention probabilities (query rows x key columns)."""
+    fig = Figure(figsize=(6, 3.2), layout="constrained")
+    ax = fig.subplots()
+    im = ax.imshow(probs[rows, cols].cpu().numpy(), cmap="Reds", aspect="auto", interpolation="nearest")
+    ax.set(title=title, xlabel=col_label, ylabel=row_label)
+    fig.colorbar(im, ax=ax, label="attention")
+    return fig
+
+
+@torch.no_grad()
+def memory_figures(model: RMT, input_ids: Tensor, attention_mask: Tensor | None = None, n_query: int = 16) -> dict:
+    """Figure 10 for one sample (T,): {"distance", and with our Llama "write", "read"} matplotlib figures.
+
+    write: the write memory of the segment where memory moved most, over [read memory; tokens].
+    read: the last `n_query` tokens of the last segment (question and answer) over the read memory.
+    """
+    states = memory_states(model, input_ids, attention_mask)
+    figures = {"distance": distance_figure(states)}
+    if not isinstance(model.backbone, Llama):
+        return figures
+    bounds = model.segment_bounds(len(input_ids))
+    moves = (states[1:] - states[:-1]).flatten(1).norm(dim=-1)  # (n,) how far each segment moved memory
+    ids, mask = input_ids[None], None if attention_mask is None else attention_mask[None]
+    for name, t in (("write", int(moves.argmax())), ("read", len(bounds) - 1)):
+        state = model.initial_state(1)
+        for a, b in bounds[:t]:
+            _, state = model.run_segment(state, ids[:, a:b], None if mask is None else mask[:, a:b])
+        a, b = bounds[t]
+        probs = attention_maps(model, state, ids[:, a:b], None if mask is None else mask[:, a:b])
+        r, L = model.read_memory(state).shape[1], b - a
+        if name == "write":
+            figures[name] = attention_figure(
+                probs, slice(r + L, None), slice(0, r + L), f"Writing: segment {t + 1}",
+                "write memory", "read memory | segment tokens",
+            )
+        else:
+            figures[name] = attention_figure(
+                probs, slice(max(r, r + L - n_query), r + L), slice(0, r), f"Reading: segment {t + 1}",
+                "last tokens", "read memory",
+            )
+    return figures
+
+
+class MemoryMapsCallback(L.Callback):
+    """Draws Figure 10 for the first `n_samples` rows of the first batch of validation loader `dataloader_idx`
+    (-1: the last, usually the longest) every `every_n_validations` validations."""
+
+    def __init__(self, n_samples: int = 2, dataloader_idx: int = -1, every_n_validations: int = 1):
+        self.n_samples, self.dataloader_idx, self.every = n_samples, dataloader_idx, every_n_validations
+        self._validations = 0
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._validations += 1
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        model = pl_module.model
+        if not isinstance(model, RMT) or batch_idx != 0 or trainer.sanity_checking:
+            return
+        n_loaders = len(trainer.val_dataloaders) if isinstance(trainer.val_dataloaders, list) else 1
+        if dataloader_idx != self.dataloader_idx % n_loaders or self._validations % self.every:
+            return
+        folder = Path(trainer.default_root_dir) / "memory_maps"
+        folder.mkdir(parents=True, exist_ok=True)
+        mask = batch.get("attention_mask")
+        for i in range(min(self.n_samples, len(batch["input_ids"]))):
+            figs = memory_figures(model, batch["input_ids"][i], None if mask is None else mask[i])
+            for name, fig in figs.items():
+                path = folder / f"step{trainer.global_step}_sample{i}_{name}.png"
+                fig.savefig(path, dpi=110)
+                for logger in trainer.loggers:
+                    if hasattr(logger, "log_image"):
+                        logger.log_image(key=f"memory/{name}/sample{i}", images=[str(path)], step=trainer.global_step)

@@ -1,0 +1,97 @@
+"""Every config composes, and every `_target_` accepts the arguments its config gives it (nothing is built)."""
+
+import inspect
+from pathlib import Path
+
+import lightning as L
+import pytest
+from hydra import compose, initialize
+from hydra.errors import ConfigCompositionException
+from hydra.utils import get_method
+from omegaconf import DictConfig, OmegaConf
+
+from models.builders import register_resolvers
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+GROUPS = [
+    "tokenizer",
+    "corpus",
+    "backbone",
+    "model",
+    "task",
+    "curriculum",
+    "loss",
+    "trainer",
+    "logger",
+    "callbacks",
+    "experiment",
+]
+RUNTIME_ARGS = {"tokenizer", "corpus", "backbone"}  # passed by the builders at run time
+
+register_resolvers()
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+def compose_train(overrides: list[str]) -> DictConfig:
+    with initialize(config_path="../configs", version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def targets(node, path=""):
+    """Yield (path, node) for every config node with a _target_."""
+    if isinstance(node, DictConfig):
+        if "_target_" in node:
+            yield path, node
+        for k in node:
+            yield from targets(node._get_node(k), f"{path}.{k}" if path else str(k))
+
+
+def assert_binds(path: str, node: DictConfig) -> None:
+    fn = get_method(node._target_)
+    fn = fn.__init__ if inspect.isclass(fn) else fn
+    kwargs = {k: None for k in node if not str(k).startswith("_")}
+    sig = inspect.signature(fn)
+    try:
+        sig.bind_partial(*([None] if inspect.isfunction(fn) and "self" in sig.parameters else []), **kwargs)
+    except TypeError as e:
+        pytest.fail(f"{path}: config keys {sorted(kwargs)} do not bind to {node._target_}: {e}")
+    missing = [
+        n
+        for n, p in sig.parameters.items()
+        if p.default is p.empty
+        and p.kind is p.POSITIONAL_OR_KEYWORD
+        and n not in kwargs
+        and n not in RUNTIME_ARGS
+        and n != "self"
+    ]
+    assert not missing, f"{path}: {node._target_} needs {missing} which the config does not give"
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_option_composes_and_binds(group):
+    for option in options(group):
+        cfg = compose_train([f"{group}={option}"])
+        OmegaConf.resolve(cfg)
+        for path, node in targets(cfg):
+            assert_binds(path, node)
+
+
+def test_trainer_config_lists_every_trainer_argument():
+    cfg = OmegaConf.load(CONFIGS / "trainer" / "default.yaml")
+    args = set(inspect.signature(L.Trainer.__init__).parameters) - {"self", "logger", "callbacks", "plugins"}
+    assert args <= set(cfg), f"trainer/default.yaml lacks {sorted(args - set(cfg))}"
+
+
+def test_unknown_group_option_lists_valid_choices():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_train(["model=transformer_xxl"])
+    assert "transformer_xxl" in str(e.value) and "llama" in str(e.value)
+
+
+def test_model_defaults_pick_their_backbone_and_cli_wins():
+    assert compose_train(["model=llama"]).backbone.hidden_size == 512
+    assert compose_train(["model=llama", "backbone=tiny"]).backbone.hidden_size == 64
+    assert compose_train(["backbone=hf", "backbone.name=gpt2"]).tokenizer.kind == "hf"

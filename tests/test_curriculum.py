@@ -1,0 +1,196 @@
+"""Curriculum datamodule: segment-count distribution, same-k unpadded batches, batches as pure functions of
+(seed, stage, j) across re-creation and worker counts, stage changes on patience and step budget inside one fit,
+exact continuation after resuming from a checkpoint, and every task/curriculum config composing."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from data.babilong import TASKS
+from data.curriculum import BabilongDataModule, CurriculumCallback, StageSampler, draw_segments
+from data.tokenizer import build_tokenizer
+from tests.test_babilong import tiny_corpus
+
+L_SEG = 64
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def make_dm(tok, cache, **kw) -> BabilongDataModule:
+    args = dict(segment_size=L_SEG, schedule=(1, 2, 4), batch_size=3, n_train=60, n_val=2, n_test=2)
+    return BabilongDataModule(tok, tiny_corpus(), cache_dir=cache, **(args | kw))
+
+
+def fingerprint(batch: dict) -> tuple:
+    return batch["n_segments"], tuple(batch["input_ids"].flatten().tolist())
+
+
+@pytest.mark.parametrize("ratio,k_min", [(0.0, 1), (0.5, 1), (0.3, 2)])
+def test_segment_counts_follow_uniform_with_mixed_share(ratio, k_min):
+    n, draws = 6, 40000
+    rng = np.random.default_rng(0)
+    counts = np.bincount([draw_segments(rng, n, k_min, ratio) for _ in range(draws)], minlength=n + 1)
+    expected = np.zeros(n + 1)
+    expected[k_min:] = (1 - ratio) / (n - k_min + 1)
+    expected[n] += ratio
+    np.testing.assert_allclose(counts / draws, expected, atol=0.01)
+
+
+def test_batches_are_same_k_unpadded_and_exactly_k_segments(tok, cache):
+    dm = make_dm(tok, cache, mixed_length_ratio=0.25)
+    ks = []
+    for j in range(60):
+        b = dm.batch(4, j)
+        k = b["n_segments"]
+        ks.append(k)
+        assert b["input_ids"].shape == (3, k * L_SEG) and bool(b["attention_mask"].all())
+        assert (b["answer_mask"].sum(1) >= 2).all() and b["task"] == "qa1"
+    assert set(ks) == {1, 2, 3, 4} and ks.count(4) > ks.count(1)
+
+
+def test_batch_j_is_a_function_of_seed_stage_and_j(tok, cache):
+    a, b = make_dm(tok, cache), make_dm(tok, cache)
+    assert fingerprint(a.batch(4, 7)) == fingerprint(b.batch(4, 7))
+    seen = {fingerprint(a.batch(n, j)) for n in (2, 4) for j in range(10)}
+    assert len(seen) == 20
+    assert fingerprint(make_dm(tok, cache, seed=1).batch(4, 7)) != fingerprint(a.batch(4, 7))
+
+
+def test_loader_gives_the_same_distinct_batches_with_and_without_workers(tok, cache):
+    streams = []
+    for workers in (0, 2):
+        dm = make_dm(tok, cache, num_workers=workers)
+        streams.append([fingerprint(b) for b in itertools.islice(dm.train_dataloader(), 8)])
+    assert streams[0] == streams[1]
+    assert len(set(streams[0])) == 8
+    assert streams[0][5] == fingerprint(make_dm(tok, cache).batch(1, 5))
+
+
+def test_new_stage_starts_at_the_next_drawn_batch_and_replays_after_restore(tok, cache):
+    dm = make_dm(tok, cache)
+    keys = iter(StageSampler(dm))
+    first = [next(keys) for _ in range(3)]
+    assert dm.advance() and dm.max_segments == 2
+    first += [next(keys) for _ in range(2)]
+    assert first == [(1, 0), (1, 1), (1, 2), (2, 3), (2, 4)]
+    restored = make_dm(tok, cache)
+    restored.load_state_dict(dm.state_dict())
+    assert restored.stage == 1 and list(itertools.islice(StageSampler(restored), 5)) == first
+    assert dm.advance() and not dm.advance() and dm.stage == 2
+    with pytest.raises(ValueError, match="schedule"):
+        make_dm(tok, cache, schedule=(2, 4)).load_state_dict(dm.state_dict())
+
+
+class Probe(L.LightningModule):
+    """Records every training batch; logs a scripted validation accuracy (a function of the step)."""
+
+    def __init__(self, score):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.score, self.seen = score, []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append((self.global_step, fingerprint(batch)))
+        return (self.w * batch["input_ids"].float().mean()).sum()
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        pass
+
+    def on_validation_epoch_end(self):
+        for name in self.trainer.datamodule.val_names:
+            self.log(f"val/{name}", self.score(self.global_step), add_dataloader_idx=False)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(dm, probe, max_steps, root, ckpt_path=None, checkpoint=False):
+    callbacks = dm.callbacks() + ([ModelCheckpoint(root, "{step}", save_top_k=-1)] if checkpoint else [])
+    trainer = L.Trainer(
+        max_steps=max_steps, val_check_interval=2, check_val_every_n_epoch=None, limit_val_batches=1,
+        num_sanity_val_steps=0, logger=False, enable_checkpointing=checkpoint, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=callbacks, default_root_dir=root,
+    )  # fmt: skip
+    trainer.fit(probe, datamodule=dm, ckpt_path=ckpt_path)
+    return trainer
+
+
+def check_replay(dm, seen):
+    """Every recorded batch is exactly batch j of the stage in force at j."""
+    for step, fp in seen:
+        assert fp == fingerprint(dm.batch(dm.schedule[dm.stage_at(step)], step))
+
+
+def test_stage_advances_on_patience_inside_one_fit(tok, cache, tmp_path):
+    dm = make_dm(tok, cache, callback=CurriculumCallback(patience=1))
+    probe = Probe(lambda step: 0.5)  # never improves: each stage lasts patience + 1 = 2 validations
+    trainer = fit(dm, probe, 12, tmp_path)
+    assert dm.stage == 2 and len(dm.stage_starts) == 3
+    assert (
+        4 <= dm.stage_starts[1] <= 8 and 8 <= dm.stage_starts[2] <= 12
+    )  # advanced at steps 4 and 8 (+ prefetch)
+    assert trainer.callback_metrics["train/curriculum_segments"] == 4
+    check_replay(dm, probe.seen)
+    assert {k for _, (k, _) in probe.seen[: dm.stage_starts[1]]} == {1}
+
+
+def test_stage_advances_on_step_budget(tok, cache, tmp_path):
+    dm = make_dm(tok, cache, callback=CurriculumCallback(patience=None, max_steps_per_stage=4))
+    fit(dm, Probe(lambda step: step), 10, tmp_path)  # always improving: only the budget moves on
+    assert dm.stage == 2 and len(dm.stage_starts) == 3
+
+
+def test_resume_continues_stage_and_data_exactly(tok, cache, tmp_path):
+    score = {2: 0.1, 4: 0.2, 6: 0.2, 8: 0.2, 10: 0.3, 12: 0.3, 14: 0.3, 16: 0.3}.get
+    full_dm = make_dm(tok, cache, num_workers=2, callback=CurriculumCallback(patience=1))
+    full = Probe(score)
+    fit(full_dm, full, 16, tmp_path / "full", checkpoint=True)
+    assert full_dm.stage == 2
+
+    resumed_dm = make_dm(tok, cache, num_workers=2, callback=CurriculumCallback(patience=1))
+    resumed = Probe(score)
+    fit(resumed_dm, resumed, 16, tmp_path / "resumed", ckpt_path=str(tmp_path / "full" / "step=8.ckpt"))
+    assert resumed.seen[0][0] == 8 and resumed.seen == full.seen[8:]
+    assert resumed_dm.state_dict() == full_dm.state_dict()
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def build_from_config(tok, task: str, curriculum: str) -> BabilongDataModule:
+    cfg = compose(overrides=[f"+task={task}", f"+curriculum={curriculum}", "+seed=0"])
+    return instantiate(cfg.task)(tokenizer=tok, corpus=tiny_corpus())
+
+
+def test_every_task_and_curriculum_config_builds_a_datamodule(tok):
+    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+        for task in TASKS:
+            dm = build_from_config(tok, task, "rmt")
+            assert dm.task == task and dm.segment_size == 512 and dm.test_names[-1] == f"{task}/acc@128k"
+        for curriculum, schedule in [
+            ("rmt", (1, 2, 4, 6, 8, 16, 32)),
+            ("rmt_r", (2, 4, 6, 8, 16, 32)),
+            ("fixed", (4,)),
+        ]:
+            dm = build_from_config(tok, "qa1", curriculum)
+            assert dm.schedule == schedule and dm.val_names[-1] == f"qa1/acc@{schedule[-1]}seg"
+            assert dm.mixed_length_ratio == (1.0 if curriculum == "fixed" else 0.0)
+            callbacks = [type(c).__name__ for c in dm.callbacks()]
+            assert callbacks == ([] if curriculum == "fixed" else ["CurriculumCallback"])
