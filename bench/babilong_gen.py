@@ -71,24 +71,34 @@ def run(args: argparse.Namespace, cache: str) -> None:
     hay = Haystack(stores["test"], "test")
     rng = np.random.default_rng(0)
 
-    def samples(length: int):
-        return [make_sample(tasks, i % len(tasks), hay, rng, length=length) for i in range(args.samples)]
+    def samples(length: int, n: int = args.samples) -> list:
+        """n samples; only the last is kept, as a data loader keeps one batch at a time."""
+        for i in range(n):
+            sample = make_sample(tasks, i % len(tasks), hay, rng, length=length)
+        return [sample]
+
+    def collated(length: int):
+        return collate(
+            [make_sample(tasks, i, hay, rng, length=length) for i in range(args.batch_size)], tok.pad_id
+        )
 
     per_16k = best_of(lambda: samples(16384), args.repeats) / args.samples
-    batch_16k = best_of(lambda: collate(samples(16384)[: args.batch_size], tok.pad_id), args.repeats)
+    batch_16k = best_of(lambda: collated(16384), args.repeats)
     print(
         f"\n{args.task} at 16k context tokens: {1 / per_16k:,.0f} samples/s ({per_16k * 1e6:.0f} us/sample)"
     )
     print(f"  a collated batch of {args.batch_size}: {batch_16k * 1e3:.1f} ms")
 
-    print("\ncost vs length (linear = constant ns/token):")
-    base = None
-    for length in [4096, 8192, 16384, 32768, 65536, 131072]:
-        per = best_of(lambda n=length: samples(n), args.repeats) / args.samples
-        base = base or per
+    print("\ncost vs length (linear: a fixed cost per sample plus a constant cost per token):")
+    lengths = np.array([4096, 8192, 16384, 32768, 65536, 131072])
+    per = np.array([best_of(lambda n=n: samples(int(n)), args.repeats) / args.samples for n in lengths])
+    slope, fixed = np.polyfit(lengths, per, 1)
+    for n, t in zip(lengths, per, strict=True):
+        fit = fixed + slope * n
         print(
-            f"  {length // 1024:>4}k: {per * 1e6:8.0f} us/sample  {per / length * 1e9:6.1f} ns/token  x{per / base:5.1f}"
+            f"  {n // 1024:>4}k: {t * 1e6:7.0f} us/sample  (fit {fit * 1e6:7.0f} us, x{t / per[0]:4.1f} vs 4k)"
         )
+    print(f"  least-squares fit: {fixed * 1e6:.0f} us per sample + {slope * 1e9:.2f} ns per token\n")
 
     L = args.segment_size
     dm = BabilongDataModule(
@@ -98,7 +108,7 @@ def run(args: argparse.Namespace, cache: str) -> None:
     backbone = build_llama(tok.vocab_size, 64, 2, 4, 2, 256, max_positions=2 * L)
     model = RMT(backbone, num_memory=16, segment_size=L).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    print(f"\nbatch generation vs one tiny-RMT train step on {args.device} (batch {args.batch_size}, L={L}):")
+    print(f"batch generation vs one tiny-RMT train step on {args.device} (batch {args.batch_size}, L={L}):")
     for k in (4, 32):
         j = iter(range(1 << 30))
         gen = best_of(
@@ -115,9 +125,9 @@ def run(args: argparse.Namespace, cache: str) -> None:
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
 
-        train = best_of(step, args.repeats)
+        train = best_of(step, 1)
         print(f"  {k:>2} segments ({k * L} tokens): batch {gen * 1e3:7.1f} ms, step {train * 1e3:8.1f} ms, "
-              f"generation / step = {gen / train:.3f}")  # fmt: skip
+              f"step / generation = {train / gen:,.0f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

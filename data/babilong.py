@@ -121,13 +121,10 @@ class Haystack:
         start = int(self.cum[s])
         end = start + n_background
         q, r = divmod(end, n)
-        e = q * S + int(
-            np.searchsorted(self.cum, r, side="left")
-        )  # first sentence boundary at or after `end`
+        # e: the first sentence boundary at or after `end`; the m = e - s sentences s..e-1 hold the background
+        e = q * S + int(np.searchsorted(self.cum, r, side="left"))
         js = np.arange(s, e)
-        bounds = np.append(
-            self.cum[js % S] + (js // S) * n, end
-        )  # boundaries of the m = e - s sentences used
+        bounds = np.append(self.cum[js % S] + (js // S) * n, end)  # (m + 1,) insertion points
         cuts = bounds[np.sort(rng.integers(0, len(bounds), size=len(facts)))]
         pieces, a = [], start
         for cut, fact in zip(cuts, facts, strict=True):
@@ -205,7 +202,7 @@ class HaystackSet(Dataset):
         self.indices = tasks.fitting(length, total)[:n]
         if len(self.indices) == 0:
             size = f"length {length}" if total is None else f"{total} tokens in all"
-            shortest = int(tasks.facts_len.min()) + (int(tasks.extra_len.min()) if total is not None else 0)
+            shortest = int((tasks.facts_len + (0 if total is None else tasks.extra_len)).min())
             raise ValueError(
                 f"No sample fits {size}: the shortest needs {shortest} tokens. Ask for longer samples "
                 "(or length 0 for facts only)."
@@ -257,14 +254,10 @@ class OfficialSet(Dataset):
 
     def __getitem__(self, i: int) -> EncodedSample:
         row = self.rows[i]
-        texts = [
-            row["input"],
-            row["question"],
-            row["target"],
-            *([self.answer_prompt] if self.answer_prompt else []),
-        ]
-        context, question, answer, *prompt = (
+        texts = [row["input"], row["question"], self.answer_prompt, row["target"]]
+        context, question, prompt, answer = (
             np.asarray(x, np.int64) for x in encode_pieces(self.tokenizer, texts)
         )
+        tail = np.concatenate([question, prompt if self.answer_prompt else prompt[:0]])
         tok = self.tokenizer
-        return assemble(tok.bos_id, context, np.concatenate([question, *prompt]), answer, tok.eos_id)
+        return assemble(tok.bos_id, context, tail, answer, tok.eos_id)

@@ -32,6 +32,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from data.babi import generate_task
 from data.babilong import (
     Haystack,
     HaystackSet,
@@ -75,13 +76,8 @@ class CurriculumBatches(Dataset):
         task: str,
     ):
         self.tasks, self.haystack, self.L, self.B = tasks, haystack, segment_size, batch_size
-        self.ratio, self.seed, self.pad_id, self.context_loss, self.task = (
-            mixed_length_ratio,
-            seed,
-            pad_id,
-            context_loss,
-            task,
-        )
+        self.ratio, self.seed, self.task = mixed_length_ratio, seed, task
+        self.pad_id, self.context_loss = pad_id, context_loss
         shortest = int((tasks.facts_len + tasks.extra_len).min())
         self.k_min = -(-shortest // segment_size)
         self._fitting: dict[int, np.ndarray] = {}
@@ -167,12 +163,15 @@ class BabilongDataModule(L.LightningDataModule):
             raise ValueError("Evaluation segment counts must be >= 1 and lengths >= 0 tokens.")
         if not self.val_segments and not self.val_lengths:
             raise ValueError("No validation set: give val_segments (null = the schedule) or val_lengths.")
+        missing = sorted(set(self.schedule) - set(self.val_segments))
+        if callback is not None and "{segments}" in callback.monitor and missing:
+            raise ValueError(
+                f"The curriculum monitors each stage's accuracy, but val_segments has no set at {missing} "
+                "segments; add them (val_segments=null validates every stage)."
+            )
         self.tokenizer, self.corpus, self.callback = tokenizer, corpus, callback
-        self.segment_size, self.mixed_length_ratio, self.batch_size = (
-            segment_size,
-            mixed_length_ratio,
-            batch_size,
-        )
+        self.segment_size, self.batch_size = segment_size, batch_size
+        self.mixed_length_ratio = mixed_length_ratio
         self.n_train, self.n_val, self.n_test = n_train, n_val, n_test
         self.eval_batch_size, self.num_workers = eval_batch_size, num_workers
         self.seed, self.eval_seed, self.context_loss = seed, eval_seed, context_loss
@@ -207,7 +206,7 @@ class BabilongDataModule(L.LightningDataModule):
         if self.stage + 1 >= len(self.schedule):
             return False
         self.stage += 1
-        self.stage_starts.append(max(self.drawn, self.stage_starts[-1]))
+        self.stage_starts.append(max(self.drawn, self.next_batch_index(), self.stage_starts[-1]))
         rank_zero_info(f"Curriculum stage {self.stage}: up to {self.max_segments} segments per sample")
         return True
 
@@ -239,8 +238,6 @@ class BabilongDataModule(L.LightningDataModule):
     def pool(self, split: str) -> TaskTokens:
         """bAbI samples of the task for one split: `n_train` / `n_val` / `n_test`, each from its own seed."""
         if split not in self._pools:
-            from data.babi import generate_task
-
             tag, seed, n = {
                 "train": (TRAIN, self.seed, self.n_train),
                 "validation": (VALIDATION, self.eval_seed, self.n_val),
@@ -307,17 +304,12 @@ class BabilongDataModule(L.LightningDataModule):
             dataset, batch_size=self.eval_batch_size, collate_fn=fn, num_workers=self.num_workers
         )
 
-    def _generated(
-        self, split: str, n: int, length: int | None = None, segments: int | None = None
-    ) -> HaystackSet:
+    def _generated(self, split: str, n: int, length: int | None = None, segments: int | None = None):
         """Fixed evaluation set of `split`: sample i is a function of (eval_seed, split, size, i)."""
-        tag = VALIDATION if split == "validation" else TEST
-        if segments is not None:
-            key, total = [self.eval_seed, tag, 0, segments], segments * self.segment_size
-            return HaystackSet(self.pool(split), self.haystack(split), key, n, total=total)
-        return HaystackSet(
-            self.pool(split), self.haystack(split), [self.eval_seed, tag, 1, length], n, length=length
-        )
+        key = [self.eval_seed, VALIDATION if split == "validation" else TEST]
+        key += [1, length] if segments is None else [0, segments]
+        total = None if segments is None else segments * self.segment_size
+        return HaystackSet(self.pool(split), self.haystack(split), key, n, length=length, total=total)
 
     def val_dataloader(self) -> list[DataLoader]:
         by_segments = [

@@ -77,9 +77,7 @@ def tokenize_sentences(
     """Sentence stores of every split, cached next to the corpus token cache (keyed by corpus and tokenizer
     fingerprints and the sentencex version). Held-out splits exclude sentences that occur in "train"."""
     key = f"{corpus.fingerprint}-{tokenizer.fingerprint}"
-    root = (
-        Path(cache_dir or default_cache_dir()) / "tokens" / key / f"sentences-sentencex{version('sentencex')}"
-    )
+    root = Path(cache_dir or default_cache_dir()) / "tokens" / key / f"sentences-{version('sentencex')}"
     stores = {}
     for split in SPLITS:
         tok_file, off_file = root / f"{split}.u32", root / f"{split}.json"

@@ -7,13 +7,31 @@ short context (block start k*d < K) get weight 1. Unlike the reference implement
 
 Per-token tensors follow callbacks.longppl: one value per input token, index j scoring x_j, so a (B, T) batch
 needs one batched no-grad pass over the windows of all rows on top of the training forward.
+
+`LongCE` is the injected loss of the framework (`loss=longce`, like `loss=ce`): `loss(out, model, batch)` with
+the N scored positions of `out` (padding is never among them). The short contexts come from the task model:
+    model.short_context_logprobs(batch, out, K=None, d=None) -> (N,) float log-probs aligned with out.targets,
+    no grad; NaN marks a target without a short context (its weight is 1).
+- CausalLM (plain LM): the sliding window above over each row, K tokens of context, blocks of d.
+- Recurrent models (RMT, RMT-R, Llama-XL): the short context of a target is its own segment alone: the backbone
+  run on each segment without memory (RMT: M_0 every segment) / without the KV cache (Llama-XL). K and d are
+  ignored; the first segment of a fresh stream then has LSD = 0 (weight 1), like the first K tokens above.
 """
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from callbacks.longppl import LogitsFn, sliding_window_short_logprobs, token_logprobs
+from models.outputs import ModelOutput
 
-__all__ = ["longce_loss", "longce_loss_for_batch", "longce_weights", "sliding_window_short_logprobs"]
+__all__ = [
+    "LongCE",
+    "longce_loss",
+    "longce_loss_for_batch",
+    "longce_weights",
+    "sliding_window_short_logprobs",
+]
 
 
 def longce_weights(
@@ -73,3 +91,28 @@ def longce_loss_for_batch(
     logprobs = token_logprobs(logits, input_ids)  # (B, T)
     short, has_short = sliding_window_short_logprobs(logits_fn, input_ids, mask, K, d, batch_size)
     return longce_loss(logprobs, longce_weights(logprobs, short, has_short, gamma), scored)
+
+
+class LongCE(nn.Module):
+    """The injected LongCE loss: `loss(out, model, batch) -> scalar`, interchangeable with losses.ce.CrossEntropy.
+
+    gamma: weight cap (the paper: 5). K, d: short context length and block size handed to
+    `model.short_context_logprobs` (CausalLM uses them; recurrent models use their segment instead).
+    """
+
+    def __init__(self, gamma: float = 5.0, K: int | None = None, d: int | None = None):
+        super().__init__()
+        if gamma <= 0:
+            raise ValueError(f"gamma must be > 0, got {gamma}")
+        self.gamma, self.K, self.d = gamma, K, d
+
+    def forward(self, out: ModelOutput, model: nn.Module, batch: dict) -> torch.Tensor:
+        logprobs = -F.cross_entropy(out.logits.float(), out.targets, reduction="none")  # (N,)
+        short = model.short_context_logprobs(batch, out, K=self.K, d=self.d)  # (N,) no grad, NaN: none
+        if short.shape != logprobs.shape:
+            raise ValueError(
+                f"{type(model).__name__}.short_context_logprobs returned {tuple(short.shape)}; it must return one "
+                f"log-prob per scored position, aligned with out.targets {tuple(logprobs.shape)}"
+            )
+        weights = longce_weights(logprobs, short, ~short.isnan(), self.gamma)
+        return longce_loss(logprobs, weights, torch.ones_like(weights, dtype=torch.bool))

@@ -35,7 +35,13 @@ def smollm2_hf_folder(cache_dir: str | Path | None = None) -> Path:
 
         src, tmp = smollm2_dir(), folder.with_name(folder.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE).save_pretrained(tmp)
+        loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE)  # de-quantised on load
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights are plain fp32 now; a fresh model can be saved
+        plain = AutoModelForCausalLM.from_config(config)
+        plain.load_state_dict(loaded.state_dict())
+        plain.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE).save_pretrained(tmp)
         tmp.rename(folder)
     return folder

@@ -22,7 +22,7 @@ from data.babilong import (
     make_sample,
 )
 from data.corpus import Corpus, Document
-from data.curriculum import BabilongDataModule
+from data.curriculum import BabilongDataModule, CurriculumCallback
 from data.sentences import encode_pieces, split_sentences, tokenize_sentences
 from data.tokenizer import Tokenizer, build_tokenizer
 
@@ -226,6 +226,10 @@ def test_bad_input_raises_clear_errors(tok, tmp_path):
     dm = BabilongDataModule(tok, empty, n_train=4, cache_dir=str(tmp_path))
     with pytest.raises(ValueError, match="'train' background split has no sentences"):
         dm.setup("fit")
+    with pytest.raises(ValueError, match=r"val_segments has no set at \[4\] segments"):
+        BabilongDataModule(
+            tok, tiny_corpus(), schedule=[2, 4], val_segments=[2], callback=CurriculumCallback()
+        )
     with pytest.raises(
         ValueError, match="shortest sample needs 2 segments of 32 tokens.*schedule starts at 1"
     ):
