@@ -19,6 +19,8 @@ def train(cfg: DictConfig) -> dict:
     run = build_run(cfg)
     ckpt = resolve_ckpt_path(cfg.ckpt_path, cfg.run_dir)
     run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=ckpt)
+    if cfg.get("test"):
+        run.trainer.test(run.module, datamodule=run.datamodule)
     return {k: float(v) for k, v in run.trainer.callback_metrics.items()}
 
 

@@ -6,6 +6,7 @@ Run from the repo root: /work/venv/bin/python -m bench.babilong_gen [--task qa1 
 """
 
 import argparse
+import itertools
 import tempfile
 import time
 
@@ -71,11 +72,10 @@ def run(args: argparse.Namespace, cache: str) -> None:
     hay = Haystack(stores["test"], "test")
     rng = np.random.default_rng(0)
 
-    def samples(length: int, n: int = args.samples) -> list:
-        """n samples; only the last is kept, as a data loader keeps one batch at a time."""
-        for i in range(n):
-            sample = make_sample(tasks, i % len(tasks), hay, rng, length=length)
-        return [sample]
+    def samples(length: int) -> None:
+        """`args.samples` samples, each dropped at once (a data loader holds one batch at a time)."""
+        for i in range(args.samples):
+            make_sample(tasks, i % len(tasks), hay, rng, length=length)
 
     def collated(length: int):
         return collate(
@@ -110,10 +110,9 @@ def run(args: argparse.Namespace, cache: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     print(f"batch generation vs one tiny-RMT train step on {args.device} (batch {args.batch_size}, L={L}):")
     for k in (4, 32):
-        j = iter(range(1 << 30))
-        gen = best_of(
-            lambda n=k, js=j: dm.batch(n, next(js)), args.repeats
-        )  # mixed_length_ratio 1: exactly k segments
+        # mixed_length_ratio 1: the batches of key (k, j) have exactly k segments
+        keys = itertools.count()
+        gen = best_of(lambda n=k, js=keys: dm.batch(n, next(js)), args.repeats)
         batch = dm.batch(k, 0)
         on_device = {key: v.to(args.device) if torch.is_tensor(v) else v for key, v in batch.items()}
 

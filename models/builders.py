@@ -61,9 +61,15 @@ def build_backbone(cfg: DictConfig, tokenizer) -> torch.nn.Module:
     return backbone
 
 
+# Keys of a model config that configure other groups, not the model builder: `backbone` (backbone keys the model
+# needs, read by configs/backbone/*.yaml) and `ordered_data` (the LM task streams documents in order).
+MODEL_KEYS_FOR_OTHER_GROUPS = ("backbone", "ordered_data")
+
+
 def build_model(cfg: DictConfig, tokenizer) -> torch.nn.Module:
     """Backbone wrapped by the task model of `cfg.model` (CausalLM, RMT, RMT-R, Llama-XL)."""
-    return instantiate(cfg.model, _partial_=True)(backbone=build_backbone(cfg.backbone, tokenizer))
+    model_cfg = {k: v for k, v in cfg.model.items() if k not in MODEL_KEYS_FOR_OTHER_GROUPS}
+    return instantiate(OmegaConf.create(model_cfg), _partial_=True)(backbone=build_backbone(cfg.backbone, tokenizer))
 
 
 def set_threads(cfg: DictConfig, n_params: int) -> None:
@@ -109,7 +115,6 @@ def build_run(cfg: DictConfig) -> Run:
         model,
         instantiate(cfg.loss),
         **cfg.optim,
-        val_names=getattr(datamodule, "val_names", None),
         config=OmegaConf.to_container(cfg, resolve=True),
     )
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]

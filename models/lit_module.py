@@ -43,16 +43,14 @@ class LitModule(L.LightningModule):
         warmup_steps: int = 100,
         stable_ratio: float = 0.8,
         min_lr_ratio: float = 0.0,
-        val_names: list[str] | None = None,
         config: dict | None = None,
     ):
         super().__init__()
         self.model, self.loss = model, loss
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
         self.warmup_steps, self.stable_ratio, self.min_lr_ratio = warmup_steps, stable_ratio, min_lr_ratio
-        self.val_names = list(val_names or [])
         self.config = config  # the run's resolved config: travels inside every checkpoint
-        self._val_sums: dict[str, Tensor] = {}
+        self._sums: dict[str, tuple[Tensor, int]] = {}
         self._t_last: float | None = None
 
     # ---- training -------------------------------------------------------------------------------------
@@ -88,42 +86,56 @@ class LitModule(L.LightningModule):
             "Lower the learning rate (optim.lr), check the data, or resume from it with ckpt_path=<that file>."
         )
 
-    # ---- validation -----------------------------------------------------------------------------------
+    # ---- validation / test --------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
-        self._val_sums = {}
+        self._sums = {}
         self._t_last = None
 
+    on_test_epoch_start = on_validation_epoch_start
+
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_step(batch, dataloader_idx, "val")
+
+    def test_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_step(batch, dataloader_idx, "test")
+
+    def _eval_step(self, batch: dict, dataloader_idx: int, stage: str) -> None:
+        """Sums per evaluation set: NLL over scored tokens, and exact match per sample for QA batches.
+
+        Unnamed sets log `val/loss`, `val/ppl` (and `val/acc`); a set the datamodule names `qa1/acc@4seg` (its
+        `val_names` / `test_names`) logs `val/qa1/acc@4seg` and `val/qa1/loss@4seg`.
+        """
         out = self.model(batch)
         nll = nn.functional.cross_entropy(out.logits.float(), out.targets, reduction="sum")
-        name = self.val_names[dataloader_idx] if dataloader_idx < len(self.val_names) else None
-        prefix = f"val/{name}" if name else "val"
-        self._accumulate(f"{prefix}/nll", nll, out.targets.numel())
+        names = getattr(self.trainer.datamodule, f"{stage}_names", None) or []
+        name = names[dataloader_idx] if dataloader_idx < len(names) else None
+        acc_key = f"{stage}/{name}" if name else f"{stage}/acc"
+        loss_key = acc_key.replace("/acc@", "/loss@") if name else f"{stage}/loss"
+        self._accumulate(loss_key, nll, out.targets.numel())
         if "answer_mask" in batch:
             self._accumulate(
-                f"{prefix}/acc", exact_match(out.logits, out.targets, batch).sum(), len(batch["input_ids"])
+                acc_key, exact_match(out.logits, out.targets, batch).sum(), len(batch["input_ids"])
             )
 
     def _accumulate(self, key: str, total: Tensor, count: int) -> None:
-        s, n = self._val_sums.get(key, (0.0, 0))
-        self._val_sums[key] = (s + total.detach().double(), n + count)
+        s, n = self._sums.get(key, (0.0, 0))
+        self._sums[key] = (s + total.detach().double(), n + count)
 
     def on_validation_epoch_end(self) -> None:
-        sums = {
-            k: torch.stack([s, torch.tensor(n, dtype=torch.float64, device=s.device)])
-            for k, (s, n) in self._val_sums.items()
-        }
-        sums = {k: self.trainer.strategy.reduce(v, reduce_op="sum") for k, v in sorted(sums.items())}
-        for key, (s, n) in sums.items():
+        for key, (s, n) in sorted(self._sums.items()):
+            pair = torch.stack([s, torch.tensor(float(n), dtype=torch.float64, device=s.device)])
+            s, n = self.trainer.strategy.reduce(pair, reduce_op="sum")
             mean = (s / n.clamp(min=1)).float()
-            if key.endswith("/nll"):
-                base = key.removesuffix("/nll")
-                self.log(f"{base}/loss", mean, sync_dist=False)
+            self.log(key, mean, prog_bar=key.endswith("/loss") or "/acc" in key, add_dataloader_idx=False)
+            if key.endswith("/loss"):
                 self.log(
-                    f"{base}/ppl", torch.exp(mean.clamp(max=50)), prog_bar=base == "val", sync_dist=False
+                    key[: -len("loss")] + "ppl",
+                    torch.exp(mean.clamp(max=50)),
+                    prog_bar=True,
+                    add_dataloader_idx=False,
                 )
-            else:
-                self.log(key, mean, prog_bar=True, sync_dist=False)
+
+    on_test_epoch_end = on_validation_epoch_end
 
     # ---- optimisation ---------------------------------------------------------------------------------
     def configure_optimizers(self):

@@ -10,7 +10,7 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
-from models.builders import register_resolvers
+from models.builders import MODEL_KEYS_FOR_OTHER_GROUPS, register_resolvers
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 GROUPS = [
@@ -53,6 +53,8 @@ def assert_binds(path: str, node: DictConfig) -> None:
     fn = get_method(node._target_)
     fn = fn.__init__ if inspect.isclass(fn) else fn
     kwargs = {k: None for k in node if not str(k).startswith("_")}
+    if path == "model":
+        kwargs = {k: v for k, v in kwargs.items() if k not in MODEL_KEYS_FOR_OTHER_GROUPS}
     sig = inspect.signature(fn)
     try:
         sig.bind_partial(*([None] if inspect.isfunction(fn) and "self" in sig.parameters else []), **kwargs)
