@@ -12,6 +12,7 @@ import time
 import lightning as L
 import torch
 from torch import Tensor, nn
+from torchmetrics import MeanMetric
 
 from models.outputs import scored_positions
 
@@ -50,7 +51,7 @@ class LitModule(L.LightningModule):
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
         self.warmup_steps, self.stable_ratio, self.min_lr_ratio = warmup_steps, stable_ratio, min_lr_ratio
         self.config = config  # the run's resolved config: travels inside every checkpoint
-        self._sums: dict[str, tuple[Tensor, int]] = {}
+        self._means: dict[str, MeanMetric] = {}  # per evaluation set and metric, reset every evaluation
         self._t_last: float | None = None
 
     # ---- training -------------------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class LitModule(L.LightningModule):
 
     # ---- validation / test --------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
-        self._sums = {}
+        self._means = {}
         self._t_last = None
 
     on_test_epoch_start = on_validation_epoch_start
@@ -100,32 +101,29 @@ class LitModule(L.LightningModule):
         self._eval_step(batch, dataloader_idx, "test")
 
     def _eval_step(self, batch: dict, dataloader_idx: int, stage: str) -> None:
-        """Sums per evaluation set: NLL over scored tokens, and exact match per sample for QA batches.
+        """Means per evaluation set (torchmetrics, synced across processes): NLL over scored tokens, and exact match per sample for QA batches.
 
         Unnamed sets log `val/loss`, `val/ppl` (and `val/acc`); a set the datamodule names `qa1/acc@4seg` (its
         `val_names` / `test_names`) logs `val/qa1/acc@4seg` and `val/qa1/loss@4seg`.
         """
         out = self.model(batch)
-        nll = nn.functional.cross_entropy(out.logits.float(), out.targets, reduction="sum")
+        nll = nn.functional.cross_entropy(out.logits.float(), out.targets, reduction="sum").detach()
         names = getattr(self.trainer.datamodule, f"{stage}_names", None) or []
         name = names[dataloader_idx] if dataloader_idx < len(names) else None
         acc_key = f"{stage}/{name}" if name else f"{stage}/acc"
         loss_key = acc_key.replace("/acc@", "/loss@") if name else f"{stage}/loss"
-        self._accumulate(loss_key, nll, out.targets.numel())
+        self._metric(loss_key).update(nll / out.targets.numel(), weight=out.targets.numel())
         if "answer_mask" in batch:
-            self._accumulate(
-                acc_key, exact_match(out.logits, out.targets, batch).sum(), len(batch["input_ids"])
-            )
+            self._metric(acc_key).update(exact_match(out.logits, out.targets, batch))
 
-    def _accumulate(self, key: str, total: Tensor, count: int) -> None:
-        s, n = self._sums.get(key, (0.0, 0))
-        self._sums[key] = (s + total.detach().double(), n + count)
+    def _metric(self, key: str) -> MeanMetric:
+        if key not in self._means:
+            self._means[key] = MeanMetric(sync_on_compute=True).to(self.device)
+        return self._means[key]
 
     def on_validation_epoch_end(self) -> None:
-        for key, (s, n) in sorted(self._sums.items()):
-            pair = torch.stack([s, torch.tensor(float(n), dtype=torch.float64, device=s.device)])
-            s, n = self.trainer.strategy.reduce(pair, reduce_op="sum")
-            mean = (s / n.clamp(min=1)).float()
+        for key, metric in sorted(self._means.items()):
+            mean = metric.compute().float()
             self.log(key, mean, prog_bar=key.endswith("/loss") or "/acc" in key, add_dataloader_idx=False)
             if key.endswith("/loss"):
                 self.log(
