@@ -187,12 +187,21 @@ def plot_ppl_by_position(
     return fig
 
 
+def held_out_docs(datamodule, split: str) -> TokenDocs:
+    """`[bos] document` token arrays of a held-out split of the datamodule's corpus (tokenization is cached)."""
+    from data.corpus import tokenize_corpus
+
+    tok = datamodule.tokenizer
+    docs = tokenize_corpus(datamodule.corpus, tok)[split]
+    return [np.concatenate([[tok.bos_id], docs.doc(i).astype(np.int64)]) for i in range(len(docs))]
+
+
 class PplByPosition(Callback):
     """Every `every_n_val`-th validation (sanity check excluded), on global rank zero: perplexity by position of
     `pl_module.model` over held-out documents, saved as JSON/CSV/PNG under `out_dir` (default
     `<trainer.default_root_dir>/ppl_by_position`) and logged: scalars `val/ppl_by_position/{ppl,first_bin,last_bin}`
     to every logger, plus table `val/ppl_by_position` and image `val/ppl_by_position/plot` to loggers that take them
-    (W&B). Documents come from `docs` or, loaded once on first use, `docs_fn()`.
+    (W&B). Documents come from `docs`, or `docs_fn()`, or else the datamodule's held-out `split`, loaded once.
     """
 
     def __init__(
@@ -205,17 +214,18 @@ class PplByPosition(Callback):
         every_n_val: int = 1,
         batch_size: int = 1,
         out_dir: str | None = None,
+        split: str = "validation",
     ):
-        if (docs is None) == (docs_fn is None):
+        if docs is not None and docs_fn is not None:
             raise ValueError(
-                "Give exactly one of docs (token arrays) or docs_fn (a function returning them)."
+                "Give at most one of docs (token arrays) or docs_fn (a function returning them)."
             )
         if every_n_val < 1:
             raise ValueError(f"every_n_val must be >= 1, got {every_n_val}")
         self.docs, self.docs_fn = docs, docs_fn
         self.edges = position_bins(max_len, n_bins, kind)
         self.every_n_val, self.batch_size, self.out_dir = every_n_val, batch_size, out_dir
-        self.n_val = 0
+        self.n_val, self.split = 0, split
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking:
@@ -224,7 +234,7 @@ class PplByPosition(Callback):
         if self.n_val % self.every_n_val or not trainer.is_global_zero:
             return
         if self.docs is None:
-            self.docs = self.docs_fn()
+            self.docs = self.docs_fn() if self.docs_fn else held_out_docs(trainer.datamodule, self.split)
         result = ppl_by_position(pl_module.model, self.docs, self.edges, self.batch_size)
         step = trainer.global_step
         out = Path(self.out_dir or Path(trainer.default_root_dir) / "ppl_by_position")

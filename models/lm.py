@@ -39,7 +39,7 @@ class CausalLM(nn.Module):
         while done < T:
             end = min(T, self.window if done == 0 else done + self.stride)
             start = max(0, end - self.window)
-            yield self.backbone.head(self.backbone(input_ids=input_ids[:, start:end]))[:, done - start :]
+            yield self.backbone.head(self.backbone(input_ids=input_ids[:, start:end])[:, done - start :])
             done = end
 
     @torch.no_grad()

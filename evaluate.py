@@ -1,0 +1,400 @@
+"""Evaluate any checkpoint of the framework (or a pretrained model), watch a training run, or export to Hugging Face.
+
+    python evaluate.py ckpt_path=RUN/checkpoints/last.ckpt eval=[ppl,babilong]
+    python evaluate.py watch=RUN_DIR eval=[ppl]             # every new checkpoint of a (running) training run
+    python evaluate.py backbone=smollm2_135m eval=[ppl]     # a pretrained model, no checkpoint
+    python evaluate.py export=hf ckpt_path=RUN/checkpoints/last.ckpt
+
+A checkpoint carries its resolved training config (`checkpoint["config"]`): tokenizer and model are rebuilt from it
+with `models.builders.build_model` and its `model.`-prefixed weights loaded. Evaluators are the entries of
+`configs/eval/` (protocol: `fn(model, tokenizer, corpus, out_dir, **flat_args) -> {metric: float}`, model in eval
+mode; see `ppl` and `babilong` below). Results go to `<ckpt>.eval/<evaluator>/` (JSON, CSV, PNG) and
+`<ckpt>.eval/metrics.json`; each metric is logged as `eval/<metric>` at the checkpoint's global step, to CSV
+(`RUN_DIR/eval/version_N/metrics.csv`) and to the training run's own W&B run (its id read from `RUN_DIR/wandb`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from callbacks.babilong_eval import plot_accuracy_heatmap
+from callbacks.checkpoint import load_checkpoint
+from callbacks.wandb_logger import wandb_online
+from callbacks.watch import results_dir, watch, write_json
+from data.corpus import Corpus, tokenize_corpus
+from data.lm_datamodule import with_specials
+from data.tokenizer import Tokenizer
+from models.builders import build_model, register_resolvers
+from models.lit_module import exact_match
+from models.streaming import token_logprobs
+
+log = logging.getLogger("evaluate")
+register_resolvers()
+DEFAULT_CORPUS = {"_target_": "data.corpus.load_corpus", "kind": "sotu"}
+
+
+# ---- evaluators ---------------------------------------------------------------------------------------
+@torch.no_grad()
+def ppl(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    corpus: Corpus,
+    out_dir: Path,
+    split: str = "test",
+    max_len: int = 4096,
+    max_docs: int | None = None,
+) -> dict[str, float]:
+    """Held-out perplexity: each document `[bos] text [eos]` of `split`, cut to `max_len` tokens, streamed through
+    `model.iter_logits` (models.streaming.token_logprobs); token-weighted over all documents. Writes ppl.json."""
+    tokens = tokenize_corpus(corpus, tokenizer)[split]
+    docs = with_specials(tokens, tokenizer.bos_id, tokenizer.eos_id)[:max_docs]
+    if not docs:
+        raise ValueError(f"The {split!r} split of corpus {corpus.name!r} has no documents; pick another split.")
+    device = next(model.parameters()).device
+    rows, nll_sum, n_tokens = [], 0.0, 0
+    for name, doc in zip(tokens.names, docs, strict=False):
+        ids = torch.from_numpy(doc[:max_len]).to(device)[None]  # (1, T)
+        nll = -token_logprobs(model, ids)[0, 1:].double()  # (T - 1,): index 0 has no prediction
+        nll_sum, n_tokens = nll_sum + nll.sum().item(), n_tokens + nll.numel()
+        rows.append({"document": name, "n_tokens": nll.numel(), "ppl": math.exp(nll.mean().item())})
+    loss = nll_sum / n_tokens
+    result = {"ppl": math.exp(loss), "ppl/loss": loss}
+    summary = {"split": split, "max_len": max_len, "n_tokens": n_tokens, **result, "documents": rows}
+    write_json(Path(out_dir) / "ppl.json", summary)
+    return result
+
+
+@torch.no_grad()
+def babilong(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    corpus: Corpus,
+    out_dir: Path,
+    tasks: tuple[str, ...] = ("qa1", "qa2", "qa3", "qa4", "qa5"),
+    lengths: tuple[int, ...] = (0, 1024, 2048, 4096),
+    n: int = 100,
+    batch_size: int = 8,
+    seed: int = 0,
+    official: str | None = None,
+    answer_prompt: str = "Answer:",
+) -> dict[str, float]:
+    """BABILong exact-match accuracy over tasks x context lengths (0 = facts only): `n` test samples per cell with
+    background from the corpus' test split (or the `official` RMT-team/babilong data). Writes babilong.json and
+    the heat map heatmap.png; returns `babilong/<task>/acc@<length>` and `babilong/acc` (mean over cells)."""
+    from data.babilong import length_name
+    from data.curriculum import BabilongDataModule
+
+    device = next(model.parameters()).device
+    table: dict[str, dict[str, float]] = {}
+    for task in tasks:
+        data = BabilongDataModule(
+            tokenizer,
+            corpus,
+            task=task,
+            n_test=n,
+            test_lengths=lengths,
+            eval_batch_size=batch_size,
+            eval_seed=seed,
+            official=official,
+            answer_prompt=answer_prompt,
+        )
+        for length, loader in zip(lengths, data.test_dataloader(), strict=True):
+            hits, total = 0.0, 0
+            for batch in loader:
+                batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                out = model(batch)
+                hits += exact_match(out.logits, out.targets, batch).sum().item()
+                total += len(batch["input_ids"])
+            table.setdefault(task, {})[length_name(length)] = hits / total
+    write_json(Path(out_dir) / "babilong.json", {"n": n, "seed": seed, "official": official, "accuracy": table})
+    plot_accuracy_heatmap(table, Path(out_dir) / "heatmap.png", title=f"BABILong accuracy ({n} samples a cell)")
+    metrics = {f"babilong/{t}/acc@{s}": acc for t, row in table.items() for s, acc in row.items()}
+    return metrics | {"babilong/acc": sum(metrics.values()) / len(metrics)}
+
+
+# ---- running evaluators -------------------------------------------------------------------------------
+def evaluate_model(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    corpus: Corpus,
+    evaluators: Mapping,
+    out_dir: Path,
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> tuple[dict[str, float], dict[str, list[str]]]:
+    """Run each evaluator config (`{name: {_target_, **flat_args}}`) into `out_dir/<name>/`, the model in eval mode
+    under `context()` (e.g. autocast). Returns metrics `eval/<metric>` and images `eval/<name>/<png stem>`."""
+    if not evaluators:
+        raise ValueError("No evaluator selected: give eval=[ppl,babilong,...] (the files of configs/eval/).")
+    metrics, images = {}, {}
+    was_training = model.training
+    model.eval()
+    try:
+        for name, node in evaluators.items():
+            fn = instantiate(node, _partial_=True, _convert_="all")
+            folder = Path(out_dir) / name
+            folder.mkdir(parents=True, exist_ok=True)
+            with context(), torch.no_grad():
+                result = fn(model, tokenizer, corpus, folder)
+            if not isinstance(result, Mapping):
+                raise TypeError(f"Evaluator {name!r} must return a dict of scalar metrics, got {type(result)}")
+            metrics |= {f"eval/{k}": float(v) for k, v in result.items()}
+            images |= {f"eval/{name}/{p.stem}": [str(p)] for p in sorted(folder.glob("*.png"))}
+    finally:
+        model.train(was_training)
+    return metrics, images
+
+
+def log_results(
+    loggers: list[Logger], metrics: dict[str, float], images: dict[str, list[str]], step: int
+) -> None:
+    for logger in loggers:
+        logger.log_metrics(metrics, step=step)
+        if hasattr(logger, "log_image"):
+            for key, paths in images.items():
+                logger.log_image(key, paths, step=step)
+        logger.save()
+
+
+def write_results(out_dir: Path, ckpt: str | None, step: int, metrics: dict[str, float]) -> None:
+    write_json(Path(out_dir) / "metrics.json", {"checkpoint": ckpt, "global_step": step, "metrics": metrics})
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------------
+def checkpoint_config(checkpoint: dict, path: str | Path) -> DictConfig:
+    if not isinstance(checkpoint.get("config"), dict):
+        raise ValueError(
+            f"{path} holds no training config (checkpoint['config']): it was not written by this framework's "
+            "train.py. Evaluate a pretrained model with backbone=... instead."
+        )
+    return OmegaConf.create(checkpoint["config"])
+
+
+def model_weights(checkpoint: dict, path: str | Path) -> dict[str, torch.Tensor]:
+    """The task model's weights: the `model.`-prefixed entries of the Lightning state_dict, prefix removed."""
+    state = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
+    if not state:
+        raise ValueError(f"{path} has no `model.*` weights in its state_dict.")
+    return state
+
+
+def build_from_checkpoint(checkpoint: dict, path: str | Path) -> tuple[nn.Module, Tokenizer, DictConfig]:
+    config = checkpoint_config(checkpoint, path)
+    tokenizer = instantiate(config.tokenizer)
+    model = build_model(config, tokenizer)
+    model.load_state_dict(model_weights(checkpoint, path))
+    return model, tokenizer, config
+
+
+def run_dir_of(ckpt: str | Path) -> Path:
+    """RUN_DIR of RUN_DIR/checkpoints/x.ckpt (else the checkpoint's own folder)."""
+    folder = Path(ckpt).resolve().parent
+    return folder.parent if folder.name == "checkpoints" else folder
+
+
+def select_device(device: str) -> torch.device:
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+
+
+def autocast_context(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """Lightning precision names: 'bf16-mixed' / '16-mixed' autocast; anything else ('32-true') full precision."""
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(precision))
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+# ---- loggers --------------------------------------------------------------------------------------------
+def wandb_run_id(run_dir: Path) -> str | None:
+    """Id of the training run's W&B run: RUN_DIR/wandb/latest-run (or the newest run folder) `...-<id>`."""
+    folder = Path(run_dir) / "wandb"
+    runs = sorted(folder.glob("*run-*-*"), key=lambda p: p.name.split("run-", 1)[1])
+    latest = folder / "latest-run"
+    name = latest.resolve().name if latest.exists() else (runs[-1].name if runs else None)
+    return name.rsplit("-", 1)[-1] if name else None
+
+
+def build_loggers(cfg: DictConfig, run_dir: Path, train_config: DictConfig | None) -> list[Logger]:
+    """CSV (RUN_DIR/eval/version_N/metrics.csv) always; W&B with logger=wandb, or by default when the training run
+    has a W&B run (then the same run: its id, its project)."""
+    chosen = set(cfg.get("logger") or {})
+    run_id = wandb_run_id(run_dir)
+    loggers: list[Logger] = [CSVLogger(save_dir=str(run_dir), name="eval")]
+    if "wandb" in chosen or (not chosen and run_id is not None):
+        trained = OmegaConf.select(train_config, "logger.wandb") if train_config is not None else None
+        settings = OmegaConf.select(cfg, "logger.wandb") or trained or {}
+        online = wandb_online()
+        if not online:
+            log.warning("W&B runs offline (no API key or no network); upload later with: wandb sync %s", run_dir)
+        loggers.append(
+            WandbLogger(
+                project=settings.get("project", "memlm"),
+                save_dir=str(run_dir),
+                id=run_id,
+                offline=not online,
+                tags=list(settings.get("tags") or []),
+            )
+        )
+    return loggers
+
+
+def close_loggers(loggers: list[Logger]) -> None:
+    for logger in loggers:
+        logger.finalize("success")
+        if isinstance(logger, WandbLogger):
+            import wandb
+
+            wandb.finish()
+
+
+# ---- the three modes ------------------------------------------------------------------------------------
+class CheckpointEvaluator:
+    """`(path, checkpoint) -> metrics` for checkpoints of one run: the model is rebuilt only when the config changes,
+    results go to `<ckpt>.eval/`, metrics are logged at the checkpoint's global step."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path):
+        self.cfg, self.run_dir = cfg, run_dir
+        self.device = select_device(cfg.device)
+        self.context = autocast_context(cfg.precision, self.device)
+        self.loggers: list[Logger] | None = None
+        self._built_for: str | None = None
+
+    def __call__(self, path: Path, checkpoint: dict) -> dict[str, float]:
+        config = checkpoint_config(checkpoint, path)
+        key = OmegaConf.to_yaml({k: config.get(k) for k in ("tokenizer", "backbone", "model", "corpus")})
+        if key != self._built_for:
+            tokenizer = instantiate(config.tokenizer)
+            self.model = build_model(config, tokenizer).to(self.device)
+            self.tokenizer = tokenizer
+            self.corpus = instantiate(self.cfg.get("corpus") or config.corpus)
+            self._built_for = key
+        self.model.load_state_dict(model_weights(checkpoint, path))
+        if self.loggers is None:
+            self.loggers = build_loggers(self.cfg, self.run_dir, config)
+        step = int(checkpoint.get("global_step", 0))
+        out_dir = results_dir(path)
+        metrics, images = evaluate_model(
+            self.model, self.tokenizer, self.corpus, self.cfg.eval, out_dir, self.context
+        )
+        write_results(out_dir, str(path), step, metrics)
+        log_results(self.loggers, metrics, images, step)
+        log.info("%s (step %d): %s", path.name, step, {k: round(v, 4) for k, v in metrics.items()})
+        return metrics
+
+    def close(self) -> None:
+        close_loggers(self.loggers or [])
+
+
+def export_hf(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path) -> Path:
+    """A Hugging Face Llama folder (model.safetensors, config.json, tokenizer) from a task model whose backbone is
+    our Llama; parameters outside the backbone (e.g. RMT memory) are not part of a LlamaForCausalLM."""
+    from safetensors.torch import save_file
+
+    backbone = getattr(model, "backbone", model)
+    if not hasattr(backbone, "to_hf_state_dict"):
+        raise ValueError(
+            f"export=hf needs our Llama backbone (backbone=tiny|llama_83m|smollm2_135m), got "
+            f"{type(backbone).__name__}; a Hugging Face backbone is already a Hugging Face model."
+        )
+    if backbone.cfg.key_norm or backbone.cfg.attn_scale is not None:
+        raise ValueError(
+            "This backbone uses L2-normalised keys / a custom attention scale (Llama-XL), which "
+            "LlamaForCausalLM cannot express; only plain Llama backbones export to Hugging Face."
+        )
+    extra = [] if backbone is model else [n for n, _ in model.named_parameters() if not n.startswith("backbone.")]
+    if extra:
+        log.warning("Not exported (outside the backbone): %s", extra)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in backbone.to_hf_state_dict().items()}
+    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+    config = backbone.hf_config()
+    config.architectures = ["LlamaForCausalLM"]
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_id, tokenizer.eos_id
+    config.save_pretrained(out_dir)
+    if hasattr(tokenizer, "tok"):  # a Hugging Face tokenizer
+        tokenizer.tok.save_pretrained(out_dir)
+    elif hasattr(tokenizer, "sp"):  # SentencePiece: transformers' LlamaTokenizer reads tokenizer.model
+        (out_dir / "tokenizer.model").write_bytes(tokenizer.sp.serialized_model_proto())
+        (out_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    return out_dir
+
+
+def check_pretrained(cfg: DictConfig) -> None:
+    backbone = cfg.get("backbone")
+    if backbone is None or (backbone._target_.endswith("build_llama") and not backbone.get("weights")):
+        raise ValueError(
+            "Nothing to evaluate: give ckpt_path=/path/to/x.ckpt (or watch=RUN_DIR), or a pretrained backbone: "
+            "backbone=smollm2_135m, backbone=hf backbone.name=<hub id or folder>, or backbone.weights=<HF Llama>."
+        )
+
+
+def evaluate(cfg: DictConfig) -> dict:
+    """Run the mode the config selects; returns the metrics (watch: {'evaluated': [paths]}, export: its folder)."""
+    if cfg.watch:
+        if cfg.ckpt_path or cfg.export:
+            raise ValueError("watch=RUN_DIR evaluates the run's checkpoints: drop ckpt_path/export.")
+        run_dir = Path(cfg.watch)
+        if not run_dir.is_dir():
+            raise FileNotFoundError(f"watch={run_dir}: no such run folder (give the training run_dir).")
+        evaluator = CheckpointEvaluator(cfg, run_dir)
+        try:
+            done = watch(run_dir / "checkpoints", evaluator, tag=sorted(cfg.eval), **cfg.watcher)
+        finally:
+            evaluator.close()
+        return {"evaluated": [str(p) for p in done]}
+    if cfg.export:
+        if cfg.export != "hf":
+            raise ValueError(f"Unknown export={cfg.export!r}; valid: hf")
+        if not cfg.ckpt_path:
+            raise ValueError("export=hf needs ckpt_path=/path/to/x.ckpt")
+        model, tokenizer, _ = build_from_checkpoint(load_checkpoint(cfg.ckpt_path), cfg.ckpt_path)
+        out = export_hf(model, tokenizer, cfg.export_dir or f"{cfg.ckpt_path}.hf")
+        log.info("Exported to %s", out)
+        return {"export_dir": str(out)}
+    if cfg.ckpt_path:
+        path = Path(cfg.ckpt_path)
+        evaluator = CheckpointEvaluator(cfg, run_dir_of(path))
+        try:
+            return evaluator(path, load_checkpoint(path))
+        finally:
+            evaluator.close()
+    check_pretrained(cfg)
+    device = select_device(cfg.device)
+    tokenizer = instantiate(cfg.tokenizer)
+    model = build_model(cfg, tokenizer).to(device)
+    corpus = instantiate(cfg.get("corpus") or DEFAULT_CORPUS)
+    out_dir = Path(cfg.out_dir)
+    loggers = build_loggers(cfg, out_dir, None)
+    try:
+        metrics, images = evaluate_model(
+            model, tokenizer, corpus, cfg.eval, out_dir, autocast_context(cfg.precision, device)
+        )
+        write_results(out_dir, None, 0, metrics)
+        log_results(loggers, metrics, images, step=0)
+    finally:
+        close_loggers(loggers)
+    return metrics
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="eval")
+def main(cfg: DictConfig) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    result = evaluate(cfg)
+    log.info("%s", json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
