@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from models.llama import Llama, LlamaConfig
+from models.llama import Llama, LlamaConfig, padding_position_ids
 
 
 class HFBackbone(nn.Module):
@@ -51,7 +51,7 @@ class HFBackbone(nn.Module):
         if inputs_embeds is None:
             inputs_embeds = self.embed(input_ids)
         if attention_mask is not None and position_ids is None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            position_ids = padding_position_ids(attention_mask)
         out = self.model.base_model(
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,

@@ -81,7 +81,11 @@ class LitModule(L.LightningModule):
         path = None
         if self.trainer.checkpoint_callback is not None and self.trainer.checkpoint_callback.dirpath:
             path = f"{self.trainer.checkpoint_callback.dirpath}/last-finite.ckpt"
-            self.trainer.save_checkpoint(path)
+            self._saving_mid_step = True
+            try:
+                self.trainer.save_checkpoint(path)
+            finally:
+                self._saving_mid_step = False
         raise FloatingPointError(
             f"Loss is {loss.item()} at global step {self.global_step}. The last good state was saved to {path}. "
             "Lower the learning rate (optim.lr), check the data, or resume from it with ckpt_path=<that file>."
@@ -161,6 +165,18 @@ class LitModule(L.LightningModule):
     # ---- checkpoints ----------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["config"] = self.config
+        if self._saving_mid_step:
+            unstart_current_batch(checkpoint["loops"]["fit_loop"])
+
+
+def unstart_current_batch(fit_loop: dict) -> None:
+    """A checkpoint saved inside training_step records its batch as started but not completed, which a resumed
+    Lightning run counts as one extra batch (validation, checkpoints and logged steps shift by one). Mark the batch
+    as never started: the resumed run redoes it and counts exactly like an uninterrupted run."""
+    for progress in fit_loop["epoch_loop.batch_progress"].values():
+        if isinstance(progress, dict):  # "total" and "current"
+            done = progress["completed"]
+            progress.update(ready=done, started=done, processed=done)
 
 
 def exact_match(logits: Tensor, targets: Tensor, batch: dict) -> Tensor:

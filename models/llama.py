@@ -143,6 +143,11 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def padding_position_ids(attention_mask: Tensor) -> Tensor:
+    """Positions (B, T) that skip padding: a left-padded row starts at 0 on its first real token."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def build_attention_mask(attention_mask: Tensor | None, Tq: int, Tk: int) -> Tensor | None:
     """Bottom-right causal mask (B|1, 1, Tq, Tk), True = attend, combined with a (B, Tq|Tk) 0/1 padding mask.
 
@@ -215,7 +220,7 @@ class Llama(nn.Module):
         B, T, _ = x.shape
         if position_ids is None:
             if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] == T:
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+                position_ids = padding_position_ids(attention_mask)
             else:
                 position_ids = torch.arange(T, device=x.device).expand(B, -1)
         masks: dict[int, Tensor | None] = {}

@@ -164,8 +164,13 @@ def test_nan_loss_stops_with_message_and_saves_last_good_state(tmp_path):
     torch.testing.assert_close(weights, run.module.model.state_dict())  # the weights before the NaN step
     assert all(torch.isfinite(v).all() for v in weights.values())
 
-    train(compose_train(tiny_overrides(tmp_path, 6, 2, f"ckpt_path={saved}")))  # resumes from it
-    assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == 6
+    # Resuming from it continues exactly like a run that never saw the NaN (same steps, validations, weights).
+    train(compose_train(tiny_overrides(tmp_path, 6, 2, f"ckpt_path={saved}")))
+    train(compose_train(tiny_overrides(tmp_path / "ref", 6, 2)))
+    resumed, reference = read_metrics(tmp_path), read_metrics(tmp_path / "ref")
+    assert {s for _, s in resumed} == {3, 4, 5}
+    assert_same_metrics(reference, resumed, set(resumed))
+    assert_same_state(tmp_path / "ref/checkpoints/last.ckpt", tmp_path / "checkpoints/last.ckpt")
 
 
 def test_diverging_learning_rate_stops_with_message(tmp_path):
