@@ -32,7 +32,7 @@ from torch import nn
 
 from callbacks.babilong_eval import plot_accuracy_heatmap
 from callbacks.checkpoint import load_checkpoint
-from callbacks.wandb_logger import wandb_online
+from callbacks.wandb_logger import build_wandb_logger
 from callbacks.watch import results_dir, watch, write_json
 from data.corpus import Corpus, tokenize_corpus
 from data.lm_datamodule import with_specials
@@ -62,7 +62,9 @@ def ppl(
     tokens = tokenize_corpus(corpus, tokenizer)[split]
     docs = with_specials(tokens, tokenizer.bos_id, tokenizer.eos_id)[:max_docs]
     if not docs:
-        raise ValueError(f"The {split!r} split of corpus {corpus.name!r} has no documents; pick another split.")
+        raise ValueError(
+            f"The {split!r} split of corpus {corpus.name!r} has no documents; pick another split."
+        )
     device = next(model.parameters()).device
     rows, nll_sum, n_tokens = [], 0.0, 0
     for name, doc in zip(tokens.names, docs, strict=False):
@@ -119,8 +121,12 @@ def babilong(
                 hits += exact_match(out.logits, out.targets, batch).sum().item()
                 total += len(batch["input_ids"])
             table.setdefault(task, {})[length_name(length)] = hits / total
-    write_json(Path(out_dir) / "babilong.json", {"n": n, "seed": seed, "official": official, "accuracy": table})
-    plot_accuracy_heatmap(table, Path(out_dir) / "heatmap.png", title=f"BABILong accuracy ({n} samples a cell)")
+    write_json(
+        Path(out_dir) / "babilong.json", {"n": n, "seed": seed, "official": official, "accuracy": table}
+    )
+    plot_accuracy_heatmap(
+        table, Path(out_dir) / "heatmap.png", title=f"BABILong accuracy ({n} samples a cell)"
+    )
     metrics = {f"babilong/{t}/acc@{s}": acc for t, row in table.items() for s, acc in row.items()}
     return metrics | {"babilong/acc": sum(metrics.values()) / len(metrics)}
 
@@ -149,7 +155,9 @@ def evaluate_model(
             with context(), torch.no_grad():
                 result = fn(model, tokenizer, corpus, folder)
             if not isinstance(result, Mapping):
-                raise TypeError(f"Evaluator {name!r} must return a dict of scalar metrics, got {type(result)}")
+                raise TypeError(
+                    f"Evaluator {name!r} must return a dict of scalar metrics, got {type(result)}"
+                )
             metrics |= {f"eval/{k}": float(v) for k, v in result.items()}
             images |= {f"eval/{name}/{p.stem}": [str(p)] for p in sorted(folder.glob("*.png"))}
     finally:
@@ -184,7 +192,9 @@ def checkpoint_config(checkpoint: dict, path: str | Path) -> DictConfig:
 
 def model_weights(checkpoint: dict, path: str | Path) -> dict[str, torch.Tensor]:
     """The task model's weights: the `model.`-prefixed entries of the Lightning state_dict, prefix removed."""
-    state = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
+    state = {
+        k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")
+    }
     if not state:
         raise ValueError(f"{path} has no `model.*` weights in its state_dict.")
     return state
@@ -235,16 +245,12 @@ def build_loggers(cfg: DictConfig, run_dir: Path, train_config: DictConfig | Non
     if "wandb" in chosen or (not chosen and run_id is not None):
         trained = OmegaConf.select(train_config, "logger.wandb") if train_config is not None else None
         settings = OmegaConf.select(cfg, "logger.wandb") or trained or {}
-        online = wandb_online()
-        if not online:
-            log.warning("W&B runs offline (no API key or no network); upload later with: wandb sync %s", run_dir)
         loggers.append(
-            WandbLogger(
+            build_wandb_logger(
                 project=settings.get("project", "memlm"),
                 save_dir=str(run_dir),
-                id=run_id,
-                offline=not online,
                 tags=list(settings.get("tags") or []),
+                id=run_id,
             )
         )
     return loggers
@@ -313,7 +319,9 @@ def export_hf(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path) -> Pa
             "This backbone uses L2-normalised keys / a custom attention scale (Llama-XL), which "
             "LlamaForCausalLM cannot express; only plain Llama backbones export to Hugging Face."
         )
-    extra = [] if backbone is model else [n for n, _ in model.named_parameters() if not n.startswith("backbone.")]
+    extra = (
+        [] if backbone is model else [n for n, _ in model.named_parameters() if not n.startswith("backbone.")]
+    )
     if extra:
         log.warning("Not exported (outside the backbone): %s", extra)
     out_dir = Path(out_dir)

@@ -33,8 +33,9 @@ def wandb_online() -> bool:
 
 
 def build_wandb_logger(
-    project: str, save_dir: str, name: str | None = None, tags: list | None = None
+    project: str, save_dir: str, name: str | None = None, tags: list | None = None, id: str | None = None
 ) -> WandbLogger:
+    """`id` continues an existing run (evaluate.py logs into the training run)."""
     online = wandb_online()
     if not online:
         os.environ["WANDB_MODE"] = "offline"
@@ -44,5 +45,5 @@ def build_wandb_logger(
         )
     Path(save_dir).mkdir(parents=True, exist_ok=True)
     return WandbLogger(
-        project=project, name=name, save_dir=save_dir, offline=not online, tags=list(tags or [])
+        project=project, name=name, save_dir=save_dir, offline=not online, tags=list(tags or []), id=id
     )

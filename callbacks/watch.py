@@ -55,11 +55,15 @@ class Watcher:
     """Scans `ckpt_dir` and hands each new, settled checkpoint to `evaluate_fn` once."""
 
     def __init__(
-        self, ckpt_dir: str | Path, evaluate_fn: EvaluateFn, settle_s: float = 1.0, tag: list[str] | None = None
+        self,
+        ckpt_dir: str | Path,
+        evaluate_fn: EvaluateFn,
+        settle_s: float = 1.0,
+        tag: list[str] | None = None,
     ):
         self.ckpt_dir, self.evaluate_fn, self.settle_s = Path(ckpt_dir), evaluate_fn, settle_s
         self.tag = list(tag or [])
-        self.failed: dict[Path, dict] = {}  # path -> identity that failed (not retried until the file changes)
+        self.failed: dict[Path, dict] = {}  # path -> identity that failed: not retried until the file changes
         self.steps_done: dict[int, str] = {}  # global step -> name of the checkpoint evaluated at that step
         for marker in sorted(self.ckpt_dir.glob("*.ckpt.eval/done.json")):
             done = json.loads(marker.read_text())
@@ -79,8 +83,9 @@ class Watcher:
                 ident = file_identity(path)
             except FileNotFoundError:  # removed by top-k rotation meanwhile
                 continue
-            marker = read_marker(path)
-            if (marker and marker["identity"] == ident and marker.get("tag") == self.tag) or self.failed.get(path) == ident:
+            marker = read_marker(path) or {}
+            done = marker.get("identity") == ident and marker.get("tag") == self.tag
+            if done or self.failed.get(path) == ident:
                 continue
             if now - ident["mtime_ns"] / 1e9 >= self.settle_s:
                 found.append((ident["mtime_ns"], path))

@@ -53,6 +53,7 @@ class LitModule(L.LightningModule):
         self.config = config  # the run's resolved config: travels inside every checkpoint
         self._means: dict[str, MeanMetric] = {}  # per evaluation set and metric, reset every evaluation
         self._t_last: float | None = None
+        self._saving_mid_step = False  # True while last-finite.ckpt is written from inside training_step
 
     # ---- training -------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:

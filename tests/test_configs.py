@@ -26,7 +26,7 @@ GROUPS = [
     "callbacks",
     "experiment",
 ]
-RUNTIME_ARGS = {"tokenizer", "corpus", "backbone"}  # passed by the builders at run time
+RUNTIME_ARGS = {"tokenizer", "corpus", "backbone", "model", "out_dir"}  # passed by the builders at run time
 
 register_resolvers()
 

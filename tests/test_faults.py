@@ -51,15 +51,27 @@ def compose_train(overrides: list[str]) -> DictConfig:
         return compose(config_name="train", overrides=overrides)
 
 
-def read_metrics(run_dir: Path) -> dict[tuple[str, int], float]:
-    """{(metric, step): value} of the run's CSV log."""
-    with open(run_dir / "csv" / "metrics.csv") as f:
-        return {
-            (k, int(row["step"])): float(v)
-            for row in csv.DictReader(f)
-            for k, v in row.items()
-            if v and k not in ("step", "epoch", "train/tokens_per_s")
-        }
+def read_metrics(run_dir: Path, version: str = "*") -> dict[tuple[str, int], float]:
+    """{(metric, step): value} of the run's CSV logs (csv/version_N: one per start of the run; all by default,
+    or the newest with version="last")."""
+    out, paths = (
+        {},
+        sorted(
+            (run_dir / "csv").glob(f"version_{'*' if version == 'last' else version}/metrics.csv"),
+            key=lambda p: int(p.parent.name[8:]),
+        ),
+    )
+    for path in paths[-1:] if version == "last" else paths:
+        with open(path) as f:
+            out.update(
+                {
+                    (k, int(row["step"])): float(v)
+                    for row in csv.DictReader(f)
+                    for k, v in row.items()
+                    if v and k not in ("step", "epoch", "train/tokens_per_s")
+                }
+            )
+    return out
 
 
 def assert_same_metrics(reference: dict, resumed: dict, keys: set) -> None:
@@ -99,9 +111,9 @@ def test_crashed_run_resumes_like_an_uninterrupted_one(tmp_path):
     with pytest.raises(RuntimeError, match="simulated crash"):
         run.trainer.fit(run.module, datamodule=run.datamodule)
     assert load_checkpoint(tmp_path / "b/checkpoints/last.ckpt")["global_step"] == 4
-    before = read_metrics(tmp_path / "b")  # the resumed CSVLogger starts a fresh metrics.csv
+    before = read_metrics(tmp_path / "b", "0")
     train(compose_train(tiny_overrides(tmp_path / "b", 8, 2, "ckpt_path=last")))
-    after = read_metrics(tmp_path / "b")
+    after = read_metrics(tmp_path / "b", "1")  # the resumed run logs to csv/version_1
 
     assert min(step for _, step in after) == 4  # resumed at the checkpoint, not from scratch
     assert_same_metrics(reference, before, set(before))
@@ -131,7 +143,7 @@ def test_sigkilled_run_resumes_from_last_checkpoint(tmp_path):
 
     train(compose_train(tiny_overrides(killed, step + 3, 3, const_lr, "ckpt_path=last")))
     train(compose_train(tiny_overrides(tmp_path / "ref", step + 3, 3, const_lr)))
-    resumed, reference = read_metrics(killed), read_metrics(tmp_path / "ref")
+    resumed, reference = read_metrics(killed, "last"), read_metrics(tmp_path / "ref")
     assert {s for _, s in resumed} == {step, step + 1, step + 2}
     assert_same_metrics(reference, resumed, set(resumed))
     assert_same_state(tmp_path / "ref/checkpoints/last.ckpt", last)
@@ -167,7 +179,7 @@ def test_nan_loss_stops_with_message_and_saves_last_good_state(tmp_path):
     # Resuming from it continues exactly like a run that never saw the NaN (same steps, validations, weights).
     train(compose_train(tiny_overrides(tmp_path, 6, 2, f"ckpt_path={saved}")))
     train(compose_train(tiny_overrides(tmp_path / "ref", 6, 2)))
-    resumed, reference = read_metrics(tmp_path), read_metrics(tmp_path / "ref")
+    resumed, reference = read_metrics(tmp_path, "last"), read_metrics(tmp_path / "ref")
     assert {s for _, s in resumed} == {3, 4, 5}
     assert_same_metrics(reference, resumed, set(resumed))
     assert_same_state(tmp_path / "ref/checkpoints/last.ckpt", tmp_path / "checkpoints/last.ckpt")

@@ -9,7 +9,9 @@ from models.llama import Llama, LlamaConfig
 
 
 def tiny_cfg(**kw) -> LlamaConfig:
-    base = dict(vocab_size=97, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_size=128, max_positions=128)
+    base = dict(
+        vocab_size=97, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_size=128, max_positions=128
+    )
     return LlamaConfig(**{**base, **kw})
 
 
@@ -27,8 +29,14 @@ def test_from_hf_loads_pretrained_weights():
     torch.manual_seed(1)
     hf = LlamaForCausalLM(
         HFLlamaConfig(
-            vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=1, rope_theta=500.0, tie_word_embeddings=False,
+            vocab_size=50,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            rope_theta=500.0,
+            tie_word_embeddings=False,
         )
     ).eval()
     ours = Llama.from_hf(hf).eval()
@@ -43,7 +51,9 @@ def test_left_padding_matches_unpadded():
     ids = torch.randint(0, 97, (1, 12))
     padded = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], 1)
     mask = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.ones(1, 12, dtype=torch.long)], 1)
-    torch.testing.assert_close(model.logits(padded, attention_mask=mask)[:, 5:], model.logits(ids), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        model.logits(padded, attention_mask=mask)[:, 5:], model.logits(ids), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_inputs_embeds_equal_input_ids():

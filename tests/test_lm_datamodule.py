@@ -31,15 +31,17 @@ def test_stream_resumes_and_splits_across_workers_and_ranks():
     make = ShuffledChunks(docs([2000]), seq_len=8, batch_size=2, seed=0)
     full = take(BatchStream(make), 6)
     resumed = take(BatchStream(make, start=3), 3)
-    assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(full[3:], resumed))
+    assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(full[3:], resumed, strict=True))
     loader = torch.utils.data.DataLoader(BatchStream(make), batch_size=None, num_workers=2)
-    assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(full, take(loader, 6)))
+    assert all(
+        torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(full, take(loader, 6), strict=True)
+    )
     r0, r1 = (
         take(BatchStream(make, rank=0, world_size=2), 3),
         take(BatchStream(make, rank=1, world_size=2), 3),
     )
-    interleaved = [b for pair in zip(r0, r1) for b in pair]
-    assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(full, interleaved))
+    interleaved = [b for pair in zip(r0, r1, strict=True) for b in pair]
+    assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(full, interleaved, strict=True))
 
 
 def test_ordered_streams_continue_and_reset_at_document_starts():

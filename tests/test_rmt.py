@@ -17,8 +17,15 @@ MODELS = [RMT, RMTRetrieval]
 
 
 def tiny_backbone(vocab_size: int = V, hidden: int = 32, layers: int = 2) -> Llama:
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, n_layers=layers, n_heads=4, n_kv_heads=2,
-                      ffn_size=2 * hidden, max_positions=256)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        n_layers=layers,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_size=2 * hidden,
+        max_positions=256,
+    )
     return Llama(cfg)
 
 
@@ -97,7 +104,9 @@ def test_gradients_stop_exactly_at_depth_k2(cls, k2, checkpoint):
     """Segment s uses its own token ids; the loss at segment t gives their embeddings a gradient iff reachable."""
     torch.manual_seed(0)
     n, L = 5, 3
-    model = cls(tiny_backbone(vocab_size=n * L), num_memory=2, segment_size=L, k2=k2, checkpoint_segments=checkpoint)
+    model = cls(
+        tiny_backbone(vocab_size=n * L), num_memory=2, segment_size=L, k2=k2, checkpoint_segments=checkpoint
+    )
     ids = torch.arange(n * L)[None]  # segment s holds tokens s*L .. s*L+L-1
     expected = reachable(k2, n)
     for t in range(n):
@@ -195,7 +204,11 @@ def test_memory_carries_a_fact_across_segments():
 
 
 def test_builder_and_bad_arguments():
-    assert build_rmt(tiny_backbone(), num_memory=4, segment_size=8, k2=2).segment_bounds(20) == [(0, 4), (4, 12), (12, 20)]
+    assert build_rmt(tiny_backbone(), num_memory=4, segment_size=8, k2=2).segment_bounds(20) == [
+        (0, 4),
+        (4, 12),
+        (12, 20),
+    ]
     with pytest.raises(ValueError, match="k2 must be -1"):
         RMT(tiny_backbone(), num_memory=4, segment_size=8, k2=-2)
     with pytest.raises(ValueError, match="segment_size must be >= 1"):
@@ -205,8 +218,16 @@ def test_builder_and_bad_arguments():
 
 
 def tiny_gpt2() -> HFBackbone:
-    cfg = GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0,
-                     embd_pdrop=0.0)
+    cfg = GPT2Config(
+        vocab_size=V,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+    )
     return HFBackbone(GPT2LMHeadModel(cfg))
 
 
@@ -216,11 +237,15 @@ def test_wraps_a_hugging_face_backbone():
     bb = tiny_gpt2().eval()
     ids = torch.randint(0, V, (2, 9))
     bare = RMT(bb, num_memory=0, segment_size=9).eval()
-    torch.testing.assert_close(bare(lm_batch(ids)).logits, bb.model(ids).logits.flatten(0, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        bare(lm_batch(ids)).logits, bb.model(ids).logits.flatten(0, 1), atol=1e-5, rtol=1e-5
+    )
     model = RMT(bb, num_memory=2, segment_size=4).eval()
     padded = torch.cat([torch.zeros(2, 5, dtype=torch.long), ids], 1)
     mask = torch.cat([torch.zeros(2, 5, dtype=torch.long), torch.ones_like(ids)], 1)
-    torch.testing.assert_close(model(lm_batch(padded, mask)).logits, model(lm_batch(ids)).logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        model(lm_batch(padded, mask)).logits, model(lm_batch(ids)).logits, atol=1e-5, rtol=1e-5
+    )
 
 
 def test_attention_probs_reproduce_the_layer_output():
@@ -251,7 +276,10 @@ def test_memory_figures():
     torch.testing.assert_close(states[0], model.memory)
     figures = memory_figures(model, ids, torch.ones_like(ids))
     assert set(figures) == {"distance", "write", "read"}
-    assert figures["read"].axes[0].images[0].get_array().shape == (4, 2)  # last segment's tokens x read memory
+    assert figures["read"].axes[0].images[0].get_array().shape == (
+        4,
+        2,
+    )  # last segment's tokens x read memory
     hf = RMT(tiny_gpt2(), num_memory=2, segment_size=4).eval()
     assert set(memory_figures(hf, ids)) == {"distance"}
     with pytest.raises(TypeError, match="need our Llama backbone"):

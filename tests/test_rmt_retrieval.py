@@ -58,7 +58,9 @@ def test_bank_and_read_memory_grow_as_specified():
     B, m, L, D = 3, 4, 5, 32
     model = build_rmt_r(tiny_backbone(), num_memory=m, segment_size=L)
     seen = []
-    model.backbone.register_forward_pre_hook(lambda mod, args, kw: seen.append(kw["inputs_embeds"].shape), with_kwargs=True)
+    model.backbone.register_forward_pre_hook(
+        lambda mod, args, kw: seen.append(kw["inputs_embeds"].shape), with_kwargs=True
+    )
     state = model.initial_state(B)
     ids = torch.randint(0, V, (B, L))
     for t in range(1, 5):

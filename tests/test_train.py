@@ -38,7 +38,8 @@ def compose_train(overrides):
 
 def csv_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     out: dict[str, list] = {}
-    with open(run_dir / "csv" / "metrics.csv") as f:
+    (path,) = glob.glob(str(run_dir / "csv" / "version_*" / "metrics.csv"))
+    with open(path) as f:
         for row in csv.DictReader(f):
             for k, v in row.items():
                 if k not in ("step", "epoch") and v:

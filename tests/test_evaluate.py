@@ -1,0 +1,206 @@
+"""evaluate.py: checkpoints rebuild the trained model, evaluators match reference computations, results and logs land
+next to the checkpoint (W&B: the training run itself), export=hf gives a folder transformers loads with equal logits."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize
+from omegaconf import DictConfig
+from test_faults import compose_train, tiny_overrides
+from torch import nn
+
+from data.corpus import Corpus, Document
+from data.tokenizer import build_tokenizer
+from evaluate import babilong, evaluate, ppl, wandb_run_id
+from models.backbone import build_llama
+from models.builders import build_run
+from models.lm import CausalLM
+from models.outputs import ModelOutput, scored_positions
+
+WORDS = "red green blue small large old new quiet loud bright".split()
+PLACES = "garden kitchen office hallway bedroom bathroom park station".split()
+
+
+def sentences(doc: int, n: int) -> str:
+    """n distinct plain-English sentences (document `doc`)."""
+    return " ".join(
+        f"The {WORDS[(doc + i) % 10]} {WORDS[(3 * i + doc) % 10]} cat number {doc * 1000 + i} walked to the "
+        f"{PLACES[(doc * 7 + i) % 8]}."
+        for i in range(n)
+    )
+
+
+def tiny_corpus(n_docs: int = 6, n_sentences: int = 30) -> Corpus:
+    docs = [Document(f"doc{i}", sentences(i, n_sentences)) for i in range(n_docs)]
+    return Corpus("tiny-eval", {"train": docs[:-2], "validation": docs[-2:-1], "test": docs[-1:]})
+
+
+def compose_eval(overrides: list[str]) -> DictConfig:
+    with initialize(config_path="../configs", version_base="1.3"):
+        return compose(config_name="eval", overrides=overrides)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 4-step tiny run: (its folder, the Run with the in-memory trained model)."""
+    run_dir = tmp_path_factory.mktemp("run")
+    run = build_run(compose_train(tiny_overrides(run_dir, 4, 2)))
+    run.trainer.fit(run.module, datamodule=run.datamodule)
+    return run_dir, run
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMLM_CACHE", str(tmp_path / "cache"))
+
+
+def test_ppl_matches_a_full_forward(tmp_path, cache):
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    backbone = build_llama(tokenizer.vocab_size, 32, 2, 4, 2, 64, 256)
+    model = CausalLM(backbone, window=256).eval()
+    corpus = tiny_corpus()
+    max_len = 100
+    result = ppl(model, tokenizer, corpus, tmp_path, split="test", max_len=max_len)
+
+    doc = corpus.splits["test"][0].text
+    ids = torch.tensor([tokenizer.bos_id, *tokenizer.encode(doc), tokenizer.eos_id][:max_len])[None]
+    with torch.no_grad():
+        nll = nn.functional.cross_entropy(backbone.logits(ids)[0, :-1], ids[0, 1:])
+    torch.testing.assert_close(result["ppl/loss"], nll.item(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(result["ppl"], nll.exp().item(), rtol=1e-5, atol=1e-6)
+    saved = json.loads((tmp_path / "ppl.json").read_text())
+    assert saved["n_tokens"] == max_len - 1 and saved["documents"][0]["document"] == "doc5"
+
+
+def test_evaluating_a_checkpoint_rebuilds_the_trained_model(trained):
+    run_dir, run = trained
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    args = {"max_len": 64, "max_docs": 2}
+    metrics = evaluate(
+        compose_eval([f"ckpt_path={ckpt}", "logger=csv", *[f"eval.ppl.{k}={v}" for k, v in args.items()]])
+    )
+
+    reference = ppl(run.module.model.eval(), run.tokenizer, run.datamodule.corpus, run_dir / "ref", **args)
+    assert metrics == pytest.approx({f"eval/{k}": v for k, v in reference.items()}, rel=1e-6)
+    results = run_dir / "checkpoints" / "last.ckpt.eval"
+    assert json.loads((results / "metrics.json").read_text())["global_step"] == 4
+    assert json.loads((results / "ppl" / "ppl.json").read_text())["ppl"] == pytest.approx(reference["ppl"])
+    with open(run_dir / "eval" / "version_0" / "metrics.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert int(row["step"]) == 4 and float(row["eval/ppl"]) == pytest.approx(reference["ppl"])
+
+
+def test_metrics_go_to_the_training_runs_wandb_run(trained, tmp_path):
+    from lightning.pytorch.loggers import WandbLogger
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.ckpt").write_bytes(
+        (trained[0] / "checkpoints" / "last.ckpt").read_bytes()
+    )
+    training_logger = WandbLogger(project="memlm", save_dir=str(run_dir), offline=True)
+    run_id = training_logger.experiment.id
+    training_logger.experiment.finish()
+    assert wandb_run_id(run_dir) == run_id
+
+    evaluate(
+        compose_eval(
+            [f"ckpt_path={run_dir}/checkpoints/last.ckpt", "eval.ppl.max_len=32", "eval.ppl.max_docs=1"]
+        )
+    )
+    runs = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs)
+    assert (run_dir / "eval" / "version_0" / "metrics.csv").is_file()  # CSV as well
+
+
+class Oracle(nn.Module):
+    """Predicts every scored target (so exact match is 1), except for the tasks in `wrong` (exact match 0)."""
+
+    def __init__(self, vocab_size: int, wrong: tuple[str, ...] = ()):
+        super().__init__()
+        self.vocab_size, self.wrong = vocab_size, wrong
+        self.anchor = nn.Parameter(torch.zeros(()))  # gives the model a device
+        self.seen: list[tuple[str, int]] = []
+
+    def forward(self, batch: dict) -> ModelOutput:
+        targets = batch["labels"][scored_positions(batch["labels"])]
+        predicted = (targets + 1) % self.vocab_size if batch["task"] in self.wrong else targets
+        self.seen.append((batch["task"], int(batch["attention_mask"].sum(1).min())))
+        return ModelOutput(nn.functional.one_hot(predicted, self.vocab_size).float(), targets)
+
+
+def test_babilong_grid_scores_each_task_and_length(tmp_path, cache):
+    tokenizer = build_tokenizer()
+    model = Oracle(tokenizer.vocab_size, wrong=("qa2",))
+    lengths = (0, 200)
+    metrics = babilong(
+        model, tokenizer, tiny_corpus(), tmp_path, tasks=("qa1", "qa2"), lengths=lengths, n=3, batch_size=2
+    )
+    assert metrics == {
+        "babilong/qa1/acc@0k": 1.0,
+        "babilong/qa1/acc@200": 1.0,
+        "babilong/qa2/acc@0k": 0.0,
+        "babilong/qa2/acc@200": 0.0,
+        "babilong/acc": 0.5,
+    }
+    assert min(n for task, n in model.seen[2:4]) > 200  # qa1 at length 200: context of 200 tokens + question
+    saved = json.loads((tmp_path / "babilong.json").read_text())
+    assert saved["accuracy"] == {"qa1": {"0k": 1.0, "200": 1.0}, "qa2": {"0k": 0.0, "200": 0.0}}
+    assert (tmp_path / "heatmap.png").stat().st_size > 0
+
+
+def write_folder_corpus(folder: Path) -> Path:
+    folder.mkdir()
+    for i in range(6):
+        (folder / f"doc{i}.txt").write_text(sentences(i, 20))
+    return folder
+
+
+def test_export_hf_loads_in_transformers_with_the_same_logits(trained, tmp_path, cache):
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    run_dir, run = trained
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    out = evaluate(compose_eval(["export=hf", f"ckpt_path={ckpt}", f"export_dir={tmp_path / 'hf'}"]))
+    hf = LlamaForCausalLM.from_pretrained(out["export_dir"]).eval()
+    ids = torch.randint(0, run.tokenizer.vocab_size, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            hf(ids).logits, run.module.model.backbone.logits(ids), rtol=1e-4, atol=1e-4
+        )
+    text = sentences(0, 3)
+    assert AutoTokenizer.from_pretrained(out["export_dir"])(text, add_special_tokens=False)["input_ids"] == (
+        run.tokenizer.encode(text)
+    )
+
+    # The exported folder evaluated as a pretrained HF model gives the checkpoint's perplexity.
+    corpus = ["corpus=folder", f"corpus.path={write_folder_corpus(tmp_path / 'texts')}", "logger=csv"]
+    from_ckpt = evaluate(compose_eval([f"ckpt_path={ckpt}", *corpus]))
+    pretrained = evaluate(
+        compose_eval(
+            [
+                "backbone=hf",
+                f"backbone.name={tmp_path / 'hf'}",
+                "model.window=32",
+                f"out_dir={tmp_path / 'o'}",
+                *corpus,
+            ]
+        )
+    )
+    assert pretrained == pytest.approx(from_ckpt, rel=1e-4)
+    assert json.loads((tmp_path / "o" / "metrics.json").read_text())["metrics"] == pytest.approx(pretrained)
+
+
+def test_bad_inputs_are_refused_with_a_clear_message(tmp_path):
+    with pytest.raises(ValueError, match="Nothing to evaluate: give ckpt_path="):
+        evaluate(compose_eval([]))
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"state_dict": {"model.w": torch.zeros(1)}, "global_step": 1}, foreign)
+    with pytest.raises(ValueError, match="holds no training config"):
+        evaluate(compose_eval([f"ckpt_path={foreign}", "logger=csv"]))
+    with pytest.raises(ValueError, match="Unknown export='onnx'; valid: hf"):
+        evaluate(compose_eval(["export=onnx", f"ckpt_path={foreign}"]))

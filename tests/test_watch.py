@@ -1,0 +1,147 @@
+"""The checkpoint watcher (`evaluate.py watch=RUN_DIR`) and the in-process `callbacks=eval_on_save`: every checkpoint
+evaluated once, never a half-written or corrupt one, done work skipped after a restart."""
+
+import csv
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+import torch
+from test_evaluate import compose_eval
+from test_faults import ROOT, compose_train, tiny_overrides
+
+from callbacks.watch import Watcher, results_dir, watch
+from evaluate import CheckpointEvaluator, evaluate
+from models.builders import build_run
+from train import train
+
+FAST_PPL = ["logger=csv", "eval.ppl.max_len=32", "eval.ppl.max_docs=1"]
+
+
+class Counting:
+    """An evaluate_fn that counts the checkpoints (by global step) it is given, then delegates (or returns {})."""
+
+    def __init__(self, inner=None):
+        self.inner, self.steps = inner, Counter()
+
+    def __call__(self, path, checkpoint):
+        self.steps[checkpoint["global_step"]] += 1
+        return self.inner(path, checkpoint) if self.inner else {"step": float(checkpoint["global_step"])}
+
+
+def test_watcher_evaluates_a_live_run_once_per_checkpoint_and_skips_a_truncated_file(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir.mkdir(parents=True)
+    bad = ckpt_dir / "truncated.ckpt"
+    bad.write_bytes(b"PK\x03\x04 not a whole checkpoint")
+    overrides = tiny_overrides(run_dir, 100, 10, "task.seq_len=64", "task.batch_size=4")
+    env = dict(os.environ, WANDB_MODE="offline")
+    evaluator = CheckpointEvaluator(compose_eval(FAST_PPL), run_dir)
+    counting = Counting(evaluator)
+    watcher = Watcher(ckpt_dir, counting, settle_s=0.0, tag=["ppl"])
+    caplog.set_level(logging.INFO, logger="callbacks.watch")
+    live = []
+    with open(tmp_path / "train.out", "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "train.py", *overrides], cwd=ROOT, env=env, stdout=out, stderr=out
+        )
+        deadline = time.monotonic() + 150
+        while proc.poll() is None and time.monotonic() < deadline:
+            live += watcher.scan()
+            time.sleep(0.1)
+        proc.wait(timeout=30)
+    assert proc.returncode == 0, (tmp_path / "train.out").read_text()[-3000:]
+    watcher.scan()
+    evaluator.close()
+
+    assert live, "nothing was evaluated while the run was training"
+    assert set(counting.steps.values()) == {1}  # each global step once
+    assert 100 in counting.steps and all(step % 10 == 0 for step in counting.steps)
+    corrupt = [r for r in caplog.records if "corrupt or truncated" in r.getMessage()]
+    assert len(corrupt) == 1 and str(bad) in corrupt[0].getMessage()  # logged once, then left alone
+    assert not results_dir(bad).exists()
+    for ckpt in set(ckpt_dir.glob("*.ckpt")) - {bad}:
+        marker = json.loads((results_dir(ckpt) / "done.json").read_text())
+        assert marker["identity"]["size"] == ckpt.stat().st_size
+    results = [json.loads(p.read_text()) for p in ckpt_dir.glob("*.ckpt.eval/metrics.json")]
+    final = [r for r in results if r["global_step"] == 100]
+    assert len(final) == 1 and final[0]["metrics"]["eval/ppl"] > 1
+
+
+@pytest.fixture
+def finished_run(tmp_path):
+    train(compose_train(tiny_overrides(tmp_path / "run", 4, 2)))
+    return tmp_path / "run"
+
+
+def replace_atomically(path, checkpoint):
+    tmp = path.with_name(f".{path.name}.tmp1")
+    torch.save(checkpoint, tmp)
+    os.replace(tmp, path)
+
+
+def test_restarted_watcher_skips_done_work_and_sees_a_replaced_last_ckpt(finished_run, caplog):
+    ckpt_dir = finished_run / "checkpoints"
+    # A writer's temporary file is never read.
+    (ckpt_dir / ".last.ckpt.tmp999").write_bytes(b"half a checkpoint")
+    first = Counting()
+    assert {p.name for p in watch(ckpt_dir, first, once=True, settle_s=0, tag=["a"])} == {"step000004.ckpt"}
+    assert first.steps == {4: 1}  # last.ckpt holds the same step: marked same_as, not evaluated again
+    marker = json.loads((results_dir(ckpt_dir / "last.ckpt") / "done.json").read_text())
+    assert marker["same_as"] == "step000004.ckpt"
+
+    again = Counting()
+    assert watch(ckpt_dir, again, once=True, settle_s=0, tag=["a"]) == [] and not again.steps
+
+    later = torch.load(ckpt_dir / "last.ckpt", weights_only=True)
+    later["global_step"] = 8
+    replace_atomically(ckpt_dir / "last.ckpt", later)  # training went on: same name, new file
+    assert watch(ckpt_dir, Counting(), once=True, settle_s=60, tag=["a"]) == []  # not settled yet
+    assert [p.name for p in watch(ckpt_dir, again, once=True, settle_s=0, tag=["a"])] == ["last.ckpt"]
+    assert again.steps == {8: 1}
+
+    def broken(path, checkpoint):
+        raise RuntimeError("evaluator bug")
+
+    caplog.set_level(logging.ERROR, logger="callbacks.watch")
+    # Another evaluator set redoes the work; a failing evaluator is logged and the watcher goes on.
+    assert watch(ckpt_dir, broken, once=True, settle_s=0, tag=["b"]) == []
+    failures = [r for r in caplog.records if "failed; the watcher goes on" in r.getMessage()]
+    assert len(failures) == 2 and all("evaluator bug" in str(r.exc_info[1]) for r in failures)
+    other = Counting()
+    assert len(watch(ckpt_dir, other, once=True, settle_s=0, tag=["b"])) == 2 and other.steps == {4: 1, 8: 1}
+
+
+def test_watch_stops_after_timeout_and_refuses_a_missing_run(tmp_path):
+    start = time.monotonic()
+    assert watch(tmp_path, Counting(), poll_s=0.05, timeout_s=0.3) == []
+    assert 0.3 <= time.monotonic() - start < 5
+    with pytest.raises(FileNotFoundError, match="no such run folder"):
+        evaluate(compose_eval([f"watch={tmp_path / 'nope'}", "watcher.once=true"]))
+
+
+def test_eval_on_save_evaluates_each_saved_step_in_process(tmp_path):
+    cfg = compose_train(
+        tiny_overrides(tmp_path, 6, 3, "callbacks=eval_on_save", "eval.ppl.max_len=32", "eval.ppl.max_docs=1")
+    )
+    assert set(cfg.callbacks) == {"model_checkpoint", "eval_on_save"}  # default callbacks + this one
+    run = build_run(cfg)
+    run.trainer.fit(run.module, datamodule=run.datamodule)
+
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        logged = Counter(int(row["step"]) for row in csv.DictReader(f) if row.get("eval/ppl"))
+    assert logged == {3: 1, 6: 1}
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    results = [json.loads(p.read_text()) for p in last.parent.glob("*.ckpt.eval/metrics.json")]
+    assert sorted(r["global_step"] for r in results) == [3, 6]
+    in_process = next(r for r in results if r["global_step"] == 6)
+    # What was evaluated in process is the state in the file.
+    from_file = evaluate(compose_eval([f"ckpt_path={last}", *FAST_PPL]))
+    assert from_file == pytest.approx(in_process["metrics"], rel=1e-6)
+    assert watch(tmp_path / "checkpoints", Counting(), once=True, settle_s=0, tag=["ppl"]) == []  # all done
