@@ -41,6 +41,12 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.text import Text
+from torch import nn
+
+from callbacks.evaluator_callback import EvaluatorCallback, EvaluatorReport
+from data.corpus import Corpus, tokenize_corpus
+from data.tokenizer import Tokenizer
+from models.streaming import predict_fn
 
 Predictor = Callable[[torch.Tensor], torch.Tensor]  # input_ids (B, T) -> argmax next-token ids (B, T)
 
@@ -320,3 +326,126 @@ def plot_forgetting_curve(
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
+
+
+# ---- framework integration: any task model (`iter_logits`) on a held-out corpus split --------------------------
+
+
+def model_predictor(model: nn.Module) -> Predictor:
+    """`predict` over a task model's `iter_logits` stream (sliding window for CausalLM, segments with the cache
+    or memory for Llama-XL / RMT / RMT-R), inputs moved to the model's device and outputs back to the CPU."""
+    predict, device = predict_fn(model), next(model.parameters()).device
+    return lambda input_ids: predict(input_ids.to(device)).cpu()
+
+
+def model_forgetting_curve(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    corpus: Corpus,
+    max_len: int = 1024,
+    n_lengths: int = 32,
+    grid: str = "linear",
+    n_samples: int = 10,
+    seed: int = 0,
+    split: str = "test",
+    min_len: int | None = None,
+    max_batch: int | None = None,
+    progress: bool = True,
+) -> ForgettingCurveResult:
+    """The forgetting curve of a task model over `length_grid(max_len, n_lengths, grid, min_len)`, samples drawn
+    from the tokenized `split` of the corpus (irrelevant texts from other documents than their targets). The
+    model runs in eval mode; its mode is restored afterwards."""
+    if split not in corpus.splits:
+        raise ValueError(f"Corpus {corpus.name!r} has no split {split!r}; choose one of {sorted(corpus.splits)}.")
+    held_out = tokenize_corpus(corpus, tokenizer)[split]
+    was_training = model.training
+    model.eval()
+    try:
+        return forgetting_curve(
+            model_predictor(model),
+            held_out.tokens,
+            length_grid(max_len, n_lengths, grid, min_len),
+            n_samples,
+            bos_id=tokenizer.bos_id,
+            eos_id=tokenizer.eos_id,
+            seed=seed,
+            doc_offsets=held_out.offsets,
+            max_batch=max_batch,
+            progress=progress,
+        )
+    finally:
+        model.train(was_training)
+
+
+def forgetting_metrics(result: ForgettingCurveResult) -> dict[str, float]:
+    return {"forgetting/fine_len": float(result.fine_length), "forgetting/coarse_len": float(result.coarse_length)}
+
+
+def save_forgetting_curve(result: ForgettingCurveResult, out_dir: str | Path, title: str | None = None) -> Path:
+    """forgetting_curve.{json,csv,png} into out_dir (created); returns the PNG's path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result.save_json(out / "forgetting_curve.json")
+    result.to_csv(out / "forgetting_curve.csv")
+    plot_forgetting_curve(result, out / "forgetting_curve.png", title=title)
+    return out / "forgetting_curve.png"
+
+
+def evaluate_forgetting_curve(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    corpus: Corpus,
+    out_dir: str | Path,
+    max_len: int = 1024,
+    n_lengths: int = 32,
+    grid: str = "linear",
+    n_samples: int = 10,
+    seed: int = 0,
+    split: str = "test",
+    min_len: int | None = None,
+    max_batch: int | None = None,
+    progress: bool = True,
+) -> dict[str, float]:
+    """Evaluator (configs/eval): the forgetting curve of `model` written to out_dir as forgetting_curve.json /
+    .csv / .png; returns `forgetting/fine_len` and `forgetting/coarse_len` (tokens)."""
+    result = model_forgetting_curve(
+        model, tokenizer, corpus, max_len, n_lengths, grid, n_samples, seed, split, min_len, max_batch, progress
+    )
+    save_forgetting_curve(result, out_dir, title=f"Forgetting curve of {type(model).__name__} ({split} split)")
+    return forgetting_metrics(result)
+
+
+class ForgettingCurveCallback(EvaluatorCallback):
+    """Every `every_n_val`-th validation: a small forgetting curve on the datamodule's corpus, logged as
+    `val/forgetting/fine_len` and `val/forgetting/coarse_len`, the curves as the W&B table `val/forgetting`
+    and the plot `val/forgetting/plot`; JSON/CSV/PNG under `<out_dir>/step<global step>/`."""
+
+    name = "forgetting"
+
+    def __init__(
+        self,
+        every_n_val: int = 1,
+        max_len: int = 512,
+        n_lengths: int = 8,
+        n_samples: int = 4,
+        grid: str = "linear",
+        split: str = "validation",
+        seed: int = 0,
+        max_batch: int | None = None,
+        out_dir: str | None = None,
+    ):
+        super().__init__(every_n_val, out_dir)
+        length_grid(max_len, n_lengths, grid)  # a bad grid fails at construction, not after the first validation
+        self.kwargs = dict(
+            max_len=max_len, n_lengths=n_lengths, grid=grid, n_samples=n_samples, seed=seed, split=split
+        )
+        self.max_batch = max_batch
+
+    def evaluate(self, model: nn.Module, tokenizer: Tokenizer, corpus: Corpus, out_dir: Path) -> EvaluatorReport:
+        result = model_forgetting_curve(
+            model, tokenizer, corpus, **self.kwargs, max_batch=self.max_batch, progress=False
+        )
+        png = save_forgetting_curve(result, out_dir, title=f"Forgetting curve, {out_dir.name}")
+        columns = ["length", *_CURVES, "region"]
+        rows = [[row[c] for c in columns] for row in result.rows()]
+        return EvaluatorReport(forgetting_metrics(result), columns, rows, png)

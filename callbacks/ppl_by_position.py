@@ -187,13 +187,38 @@ def plot_ppl_by_position(
     return fig
 
 
-def held_out_docs(datamodule, split: str) -> TokenDocs:
-    """`[bos] document` token arrays of a held-out split of the datamodule's corpus (tokenization is cached)."""
+def held_out_docs(corpus, tokenizer, split: str) -> TokenDocs:
+    """`[bos] document` token arrays of a held-out split of a corpus (tokenization is cached)."""
     from data.corpus import tokenize_corpus
 
-    tok = datamodule.tokenizer
-    docs = tokenize_corpus(datamodule.corpus, tok)[split]
-    return [np.concatenate([[tok.bos_id], docs.doc(i).astype(np.int64)]) for i in range(len(docs))]
+    docs = tokenize_corpus(corpus, tokenizer)[split]
+    return [np.concatenate([[tokenizer.bos_id], docs.doc(i).astype(np.int64)]) for i in range(len(docs))]
+
+
+def evaluate_ppl_by_position(
+    model: nn.Module,
+    tokenizer,
+    corpus,
+    out_dir: Path,
+    split: str = "test",
+    max_len: int = 65536,
+    n_bins: int = 16,
+    kind: str = "log",
+    max_docs: int | None = None,
+) -> dict[str, float]:
+    """evaluate.py evaluator: perplexity by token position over the held-out documents (JSON, CSV, PNG)."""
+    docs = held_out_docs(corpus, tokenizer, split)[:max_docs]
+    result = ppl_by_position(model, docs, position_bins(max_len, n_bins, kind), progress=True)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result.save_json(out_dir / "ppl_by_position.json")
+    result.to_csv(out_dir / "ppl_by_position.csv")
+    plot_ppl_by_position(result, out_dir / "ppl_by_position.png")
+    filled = [p for p in result.ppl if not math.isnan(p)]
+    return {
+        "ppl_by_position/ppl": result.overall_ppl,
+        "ppl_by_position/last_bin": filled[-1] if filled else math.nan,
+    }
 
 
 class PplByPosition(Callback):
@@ -234,7 +259,11 @@ class PplByPosition(Callback):
         if self.n_val % self.every_n_val or not trainer.is_global_zero:
             return
         if self.docs is None:
-            self.docs = self.docs_fn() if self.docs_fn else held_out_docs(trainer.datamodule, self.split)
+            self.docs = (
+                self.docs_fn()
+                if self.docs_fn
+                else held_out_docs(trainer.datamodule.corpus, trainer.datamodule.tokenizer, self.split)
+            )
         result = ppl_by_position(pl_module.model, self.docs, self.edges, self.batch_size)
         step = trainer.global_step
         out = Path(self.out_dir or Path(trainer.default_root_dir) / "ppl_by_position")

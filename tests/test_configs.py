@@ -97,3 +97,12 @@ def test_model_defaults_pick_their_backbone_and_cli_wins():
     assert compose_train(["model=llama"]).backbone.hidden_size == 512
     assert compose_train(["model=llama", "backbone=tiny"]).backbone.hidden_size == 64
     assert compose_train(["backbone=hf", "backbone.name=gpt2"]).tokenizer.kind == "hf"
+
+
+@pytest.mark.parametrize("option", options("eval"))
+def test_every_evaluator_composes_and_binds(option):
+    with initialize(config_path="../configs", version_base="1.3"):
+        cfg = compose(config_name="eval", overrides=[f"eval=[{option}]"])
+    OmegaConf.resolve(cfg)
+    for path, node in targets(cfg.eval):
+        assert_binds(f"eval.{path}", node)
