@@ -356,7 +356,9 @@ def model_forgetting_curve(
     from the tokenized `split` of the corpus (irrelevant texts from other documents than their targets). The
     model runs in eval mode; its mode is restored afterwards."""
     if split not in corpus.splits:
-        raise ValueError(f"Corpus {corpus.name!r} has no split {split!r}; choose one of {sorted(corpus.splits)}.")
+        raise ValueError(
+            f"Corpus {corpus.name!r} has no split {split!r}; choose one of {sorted(corpus.splits)}."
+        )
     held_out = tokenize_corpus(corpus, tokenizer)[split]
     was_training = model.training
     model.eval()
@@ -378,10 +380,15 @@ def model_forgetting_curve(
 
 
 def forgetting_metrics(result: ForgettingCurveResult) -> dict[str, float]:
-    return {"forgetting/fine_len": float(result.fine_length), "forgetting/coarse_len": float(result.coarse_length)}
+    return {
+        "forgetting/fine_len": float(result.fine_length),
+        "forgetting/coarse_len": float(result.coarse_length),
+    }
 
 
-def save_forgetting_curve(result: ForgettingCurveResult, out_dir: str | Path, title: str | None = None) -> Path:
+def save_forgetting_curve(
+    result: ForgettingCurveResult, out_dir: str | Path, title: str | None = None
+) -> Path:
     """forgetting_curve.{json,csv,png} into out_dir (created); returns the PNG's path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -409,9 +416,22 @@ def evaluate_forgetting_curve(
     """Evaluator (configs/eval): the forgetting curve of `model` written to out_dir as forgetting_curve.json /
     .csv / .png; returns `forgetting/fine_len` and `forgetting/coarse_len` (tokens)."""
     result = model_forgetting_curve(
-        model, tokenizer, corpus, max_len, n_lengths, grid, n_samples, seed, split, min_len, max_batch, progress
+        model,
+        tokenizer,
+        corpus,
+        max_len,
+        n_lengths,
+        grid,
+        n_samples,
+        seed,
+        split,
+        min_len,
+        max_batch,
+        progress,
     )
-    save_forgetting_curve(result, out_dir, title=f"Forgetting curve of {type(model).__name__} ({split} split)")
+    save_forgetting_curve(
+        result, out_dir, title=f"Forgetting curve of {type(model).__name__} ({split} split)"
+    )
     return forgetting_metrics(result)
 
 
@@ -435,13 +455,17 @@ class ForgettingCurveCallback(EvaluatorCallback):
         out_dir: str | None = None,
     ):
         super().__init__(every_n_val, out_dir)
-        length_grid(max_len, n_lengths, grid)  # a bad grid fails at construction, not after the first validation
+        length_grid(
+            max_len, n_lengths, grid
+        )  # a bad grid fails at construction, not after the first validation
         self.kwargs = dict(
             max_len=max_len, n_lengths=n_lengths, grid=grid, n_samples=n_samples, seed=seed, split=split
         )
         self.max_batch = max_batch
 
-    def evaluate(self, model: nn.Module, tokenizer: Tokenizer, corpus: Corpus, out_dir: Path) -> EvaluatorReport:
+    def evaluate(
+        self, model: nn.Module, tokenizer: Tokenizer, corpus: Corpus, out_dir: Path
+    ) -> EvaluatorReport:
         result = model_forgetting_curve(
             model, tokenizer, corpus, **self.kwargs, max_batch=self.max_batch, progress=False
         )

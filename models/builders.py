@@ -69,7 +69,9 @@ MODEL_KEYS_FOR_OTHER_GROUPS = ("backbone", "ordered_data")
 def build_model(cfg: DictConfig, tokenizer) -> torch.nn.Module:
     """Backbone wrapped by the task model of `cfg.model` (CausalLM, RMT, RMT-R, Llama-XL)."""
     model_cfg = {k: v for k, v in cfg.model.items() if k not in MODEL_KEYS_FOR_OTHER_GROUPS}
-    return instantiate(OmegaConf.create(model_cfg), _partial_=True)(backbone=build_backbone(cfg.backbone, tokenizer))
+    return instantiate(OmegaConf.create(model_cfg), _partial_=True)(
+        backbone=build_backbone(cfg.backbone, tokenizer)
+    )
 
 
 def set_threads(cfg: DictConfig, n_params: int) -> None:

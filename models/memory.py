@@ -66,7 +66,9 @@ class MemoryBank:
             new[:, : self.size] = t[:, : self.size]
             return new
 
-        return MemoryBank(grow(self.keys_buffer), grow(self.values_buffer), grow(self.valid_buffer), self.size)
+        return MemoryBank(
+            grow(self.keys_buffer), grow(self.values_buffer), grow(self.valid_buffer), self.size
+        )
 
     def invalidate(self, rows: Tensor) -> MemoryBank:
         """The bank with every entry of the rows where `rows` (B,) is True marked invalid."""

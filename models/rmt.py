@@ -61,7 +61,9 @@ class RMT(nn.Module):
             ids = torch.arange(backbone.vocab_size, device=_device_of(backbone))
             emb = backbone.embed(ids)
         self.memory = nn.Parameter(torch.randn(num_memory, backbone.hidden_size, dtype=emb.dtype) * emb.std())
-        self._carried: dict[bool, MemoryState] = {}  # stream mode: state carried between batches, per train/eval
+        self._carried: dict[
+            bool, MemoryState
+        ] = {}  # stream mode: state carried between batches, per train/eval
 
     # ---- hooks (RMT-R overrides them) ------------------------------------------------------------------
     def initial_state(self, batch_size: int) -> MemoryState:
@@ -103,7 +105,9 @@ class RMT(nn.Module):
         hidden = self.backbone(inputs_embeds=x, position_ids=positions, attention_mask=attention_mask)
         if not write:
             return hidden[:, r:], None
-        has_tokens = torch.ones(len(x), dtype=torch.bool, device=x.device) if mask is None else mask.bool().any(1)
+        has_tokens = (
+            torch.ones(len(x), dtype=torch.bool, device=x.device) if mask is None else mask.bool().any(1)
+        )
         return hidden[:, r : r + L], self.next_state(state, hidden[:, r + L :], has_tokens)
 
     def _step(self, state: MemoryState, input_ids: Tensor, mask: Tensor | None) -> tuple[Tensor, MemoryState]:
@@ -198,7 +202,10 @@ class RMT(nn.Module):
             done |= nxt == eos_id
             if bool(done.all()):
                 break
-            ids, seg_mask = torch.cat([ids, nxt[:, None]], 1), torch.cat([seg_mask, seg_mask.new_ones(len(ids), 1)], 1)
+            ids, seg_mask = (
+                torch.cat([ids, nxt[:, None]], 1),
+                torch.cat([seg_mask, seg_mask.new_ones(len(ids), 1)], 1),
+            )
         return out
 
 

@@ -1,12 +1,23 @@
 """LongCE: unit weights give CE, weights carry no gradient, padding is ignored, batch loss vs brute force."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from callbacks.longppl import first_short_index, token_logprobs
-from losses.longce import longce_loss, longce_loss_for_batch, longce_weights, sliding_window_short_logprobs
-from tests.test_longppl import VOCAB, TinyCausalLM, brute_force_logprobs
+from losses.ce import CrossEntropy
+from losses.longce import (
+    LongCE,
+    longce_loss,
+    longce_loss_for_batch,
+    longce_weights,
+    sliding_window_short_logprobs,
+)
+from tests.test_train import TINY, compose_train
+from tests.tiny_models import VOCAB, TinyCausalLM, brute_force_logprobs, tiny_llama_lm
+from train import train
 
 B, T, K, D = 3, 30, 6, 4
 LENGTHS = [30, 22, 9]  # the last row is too short for any short context
@@ -101,3 +112,110 @@ def test_short_context_starts_at_the_first_full_block_of_each_row(model, batch):
     short, has_short = sliding_window_short_logprobs(model, input_ids, mask, K, D)
     assert torch.equal(has_short, mask & (torch.arange(T) >= first_short_index(K, D)))
     assert not short[has_short].isnan().any() and short[~has_short].isnan().all()
+
+
+# ---- LongCE as the injected loss, through CausalLM.short_context_logprobs ------------------------------------
+
+LM_T, LM_K, LM_D = 24, 6, 4
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_llama_lm(window=LM_T, seed=3, init_std=0.3)
+
+
+@pytest.fixture(scope="module")
+def lm_batch() -> tuple[dict, list[torch.Tensor], list[int]]:
+    """Rows as the datamodules make them: a shuffled chunk (no padding), an ordered-stream document end (right
+    padding, the last input masked) and a left-padded row. Returns the batch, each row's text (real inputs, then
+    the last target) and where the text starts in the row."""
+    g = torch.Generator().manual_seed(5)
+    texts = [torch.randint(3, VOCAB, (n,), generator=g) for n in (LM_T + 1, 15, 17)]
+    ids = torch.zeros(3, LM_T, dtype=torch.long)
+    labels = torch.full((3, LM_T), -100)
+    mask = torch.zeros(3, LM_T, dtype=torch.long)
+    ids[0], labels[0], mask[0] = texts[0][:-1], texts[0][1:], 1
+    p = len(texts[1])  # ordered stream: inputs 0..p-1 hold the piece, labels 0..p-2, input p-1 masked
+    ids[1, :p], labels[1, : p - 1], mask[1, : p - 1] = texts[1], texts[1][1:], 1
+    n = len(texts[2]) - 1  # left padding: n real inputs at the end, each labelled with its successor
+    ids[2, -n:], labels[2, -n:], mask[2, -n:] = texts[2][:-1], texts[2][1:], 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}, texts, [0, 0, LM_T - n]
+
+
+def brute_force_rows(lm, texts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(long, short, has_short) of every row's targets, concatenated in row-major order (text index 0 dropped)."""
+    parts = [brute_force_logprobs(lm.backbone.logits, text, LM_K, LM_D) for text in texts]
+    return tuple(torch.cat([part[i][1:] for part in parts]) for i in range(3))
+
+
+def test_causal_lm_short_context_logprobs_match_one_forward_per_target(lm, lm_batch):
+    batch, texts, _ = lm_batch
+    out = lm(batch)
+    long, short, has_short = brute_force_rows(lm, texts)
+    torch.testing.assert_close(out.logits.log_softmax(-1).gather(-1, out.targets[:, None])[:, 0], long)
+    got = lm.short_context_logprobs(batch, out, K=LM_K, d=LM_D)
+    assert not got.requires_grad and torch.equal(got.isnan(), ~has_short)
+    torch.testing.assert_close(got[has_short], short[has_short])
+
+
+def test_longce_through_causal_lm_matches_the_brute_force_definition(lm, lm_batch):
+    batch, texts, _ = lm_batch
+    gamma = 1.5
+    long, short, has_short = brute_force_rows(lm, texts)
+    weights = torch.where(has_short, (long - short).exp().clamp(max=gamma), 1.0)
+    assert (weights != 1).any() and (weights == gamma).any()
+    loss = LongCE(gamma, LM_K, LM_D)(lm(batch), lm, batch)
+    torch.testing.assert_close(loss, -(weights * long).mean())
+
+
+def test_longce_without_short_contexts_is_cross_entropy(lm, lm_batch):
+    batch, _, _ = lm_batch
+    out = lm(batch)
+    no_short = LongCE(gamma=5.0, K=LM_T, d=LM_T)  # no block starts at or after K within a row
+    torch.testing.assert_close(no_short(out, lm, batch), CrossEntropy()(out, lm, batch))
+
+
+def test_longce_gradient_treats_the_weights_as_constants(lm, lm_batch):
+    batch, _, _ = lm_batch
+    longce = LongCE(gamma=3.0, K=LM_K, d=LM_D)
+    lm.zero_grad()
+    longce(lm(batch), lm, batch).backward()
+    grads = [p.grad.clone() for p in lm.parameters()]
+    lm.zero_grad()
+    out = lm(batch)
+    logprobs = -F.cross_entropy(out.logits, out.targets, reduction="none")
+    short = lm.short_context_logprobs(batch, out, K=LM_K, d=LM_D)
+    weights = torch.where(short.isnan(), 1.0, (logprobs.detach() - short).exp().clamp(max=3.0))
+    (-(weights * logprobs).mean()).backward()
+    for got, expected in zip(grads, (p.grad for p in lm.parameters()), strict=True):
+        torch.testing.assert_close(got, expected)
+    lm.zero_grad()
+
+
+def test_longce_ignores_padding_ids_and_labels(lm, lm_batch):
+    batch, _, starts = lm_batch
+    loss = LongCE(5.0, LM_K, LM_D)(lm(batch), lm, batch)
+    pad = batch["attention_mask"] == 0  # row 1's last input too: its token comes back as the last label
+    other = {**batch, "input_ids": batch["input_ids"].masked_fill(pad, 7)}
+    torch.testing.assert_close(LongCE(5.0, LM_K, LM_D)(lm(other), lm, other), loss)
+    assert starts[2] > 0 and pad[2, : starts[2]].all()
+
+
+def test_non_next_token_labels_and_missing_window_raise(lm, lm_batch):
+    batch, _, _ = lm_batch
+    shifted = {**batch, "labels": batch["labels"].roll(1, dims=1)}
+    with pytest.raises(ValueError, match="next-token labels"):
+        LongCE(5.0, LM_K, LM_D)(lm(shifted), lm, shifted)
+    with pytest.raises(ValueError, match=r"loss\.K, loss\.d"):
+        LongCE()(lm(batch), lm, batch)
+
+
+def test_train_switches_between_ce_and_longce_by_config(tmp_path):
+    losses = {}
+    for loss in ("ce", "longce"):
+        cfg = compose_train(
+            [*TINY, f"loss={loss}", "loss.K=8", "loss.d=8"][: None if loss == "longce" else -2]
+            + ["trainer.max_steps=3", "trainer.val_check_interval=3", f"run_dir={tmp_path / loss}"]
+        )
+        losses[loss] = train(cfg)["train/loss"]
+    assert all(math.isfinite(v) for v in losses.values()) and losses["ce"] != losses["longce"]

@@ -6,7 +6,6 @@ import re
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from torch import nn
 
 from callbacks.longppl import (
     first_short_index,
@@ -19,57 +18,9 @@ from callbacks.longppl import (
     sliding_window_short_logprobs,
     tokens_in_spans,
 )
+from tests.tiny_models import VOCAB, TinyCausalLM, brute_force_logprobs
 
-VOCAB, T, K = 32, 41, 8
-
-
-class TinyCausalLM(nn.Module):
-    """Token + learned position embeddings, pre-norm causal transformer blocks; positions start at 0 per row."""
-
-    def __init__(
-        self, seed: int, vocab_size: int = VOCAB, dim: int = 32, n_layers: int = 2, max_len: int = 64
-    ):
-        super().__init__()
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            self.tok = nn.Embedding(vocab_size, dim)
-            self.pos = nn.Embedding(max_len, dim)
-            self.blocks = nn.ModuleList(
-                nn.TransformerEncoderLayer(dim, 2, 2 * dim, dropout=0.0, batch_first=True, norm_first=True)
-                for _ in range(n_layers)
-            )
-            self.head = nn.Linear(dim, vocab_size)
-            nn.init.normal_(self.head.weight, std=0.3)  # peaked predictions: LSD spreads over a useful range
-        self.eval()
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        n = input_ids.shape[1]
-        x = self.tok(input_ids) + self.pos(torch.arange(n, device=input_ids.device))  # (B, T, D)
-        causal = nn.Transformer.generate_square_subsequent_mask(n, device=input_ids.device)
-        for block in self.blocks:
-            x = block(x, src_mask=causal, is_causal=True)
-        return self.head(x)  # (B, T, V)
-
-
-def last_logprob(model: nn.Module, context: torch.Tensor, target: torch.Tensor) -> float:
-    """log P(target | context) from one forward over the context alone."""
-    return model(context[None])[0, -1].log_softmax(-1)[target].item()
-
-
-def brute_force_logprobs(model: nn.Module, tokens: torch.Tensor, K: int, d: int) -> tuple[torch.Tensor, ...]:
-    """Per token j >= 1, one forward per context: (long, short, has_short), each (T,), index 0 NaN / False."""
-    n = tokens.numel()
-    long, short = torch.full((n,), math.nan), torch.full((n,), math.nan)
-    has_short = torch.zeros(n, dtype=torch.bool)
-    with torch.no_grad():
-        for j in range(1, n):
-            block_start = (j // d) * d
-            long[j] = last_logprob(model, tokens[:j], tokens[j])
-            has_short[j] = block_start >= K
-            short[j] = (
-                last_logprob(model, tokens[block_start - K : j], tokens[j]) if has_short[j] else long[j]
-            )
-    return long, short, has_short
+T, K = 41, 8
 
 
 def threshold_between(values: torch.Tensor) -> float:
