@@ -305,8 +305,8 @@ def tokens_in_spans(
     offsets = torch.as_tensor(offsets, dtype=torch.long).reshape(-1, 2)
     if not spans:
         return torch.zeros(offsets.shape[0], dtype=torch.bool)
-    span_starts, span_ends = torch.tensor(spans, dtype=torch.long).T
-    starts, ends = offsets[:, 0], offsets[:, 1]
+    span_starts, span_ends = torch.tensor(spans, dtype=torch.long).T.contiguous()
+    starts, ends = offsets.T.contiguous()
     index = (
         torch.searchsorted(span_starts, starts, right=True) - 1
     )  # last span starting at or before the token

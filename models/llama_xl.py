@@ -96,17 +96,34 @@ class LlamaXL(nn.Module):
         cache.detach_()  # the previous batch's graph is gone after its backward
         return cache
 
-    def forward(self, batch: dict) -> ModelOutput:
-        ids, labels, S = batch["input_ids"], batch["labels"], self.segment_size
+    def scored_hidden(self, batch: dict, cached: bool = True) -> Tensor:
+        """Hidden states (N, D) at the scored positions. cached=False: every segment alone, without the cache
+        (the carried streams are left alone)."""
+        ids, S = batch["input_ids"], self.segment_size
         mask = batch.get("attention_mask")
-        cache = self._stream_cache(batch)
+        stream = self._stream_cache(batch) if cached else None
         segments = [
-            self._segment(ids[:, a : a + S], None if mask is None else mask[:, a : a + S], cache)
+            self._segment(
+                ids[:, a : a + S],
+                None if mask is None else mask[:, a : a + S],
+                stream if cached else self.new_cache(),
+            )
             for a in range(0, ids.shape[1], S)
         ]
-        hidden = torch.cat(segments, dim=1)  # (B, T, D)
-        scored = scored_positions(labels)
-        return ModelOutput(self.backbone.head(hidden[scored]), labels[scored])
+        return torch.cat(segments, dim=1)[scored_positions(batch["labels"])]
+
+    def forward(self, batch: dict) -> ModelOutput:
+        labels = batch["labels"]
+        return ModelOutput(self.backbone.head(self.scored_hidden(batch)), labels[scored_positions(labels)])
+
+    @torch.no_grad()
+    def short_context_logprobs(
+        self, batch: dict, out: ModelOutput, K: int | None = None, d: int | None = None
+    ) -> Tensor:
+        """log P(target) (N,) from each segment alone (no cached keys/values), for LongCE; no grad.
+        K and d (the sliding window of CausalLM) do not apply: the segment is the short context."""
+        logits = self.backbone.head(self.scored_hidden(batch, cached=False)).float()
+        return logits.log_softmax(-1).gather(-1, out.targets[:, None]).squeeze(-1)
 
     @torch.no_grad()
     def iter_logits(self, input_ids: Tensor) -> Iterator[Tensor]:

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from models.llama import padding_position_ids
 from models.memory import MemoryState
 from models.outputs import ModelOutput, scored_positions
 
@@ -61,9 +62,8 @@ class RMT(nn.Module):
             ids = torch.arange(backbone.vocab_size, device=_device_of(backbone))
             emb = backbone.embed(ids)
         self.memory = nn.Parameter(torch.randn(num_memory, backbone.hidden_size, dtype=emb.dtype) * emb.std())
-        self._carried: dict[
-            bool, MemoryState
-        ] = {}  # stream mode: state carried between batches, per train/eval
+        # stream mode: the state carried between batches, per train/eval mode
+        self._carried: dict[bool, MemoryState] = {}
 
     # ---- hooks (RMT-R overrides them) ------------------------------------------------------------------
     def initial_state(self, batch_size: int) -> MemoryState:
@@ -101,7 +101,7 @@ class RMT(nn.Module):
         else:
             ones = mask.new_ones(len(x), r)
             attention_mask = torch.cat([ones, mask] + ([ones[:, : self.num_memory]] if write else []), 1)
-            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            positions = padding_position_ids(attention_mask)
         hidden = self.backbone(inputs_embeds=x, position_ids=positions, attention_mask=attention_mask)
         if not write:
             return hidden[:, r:], None
@@ -168,8 +168,11 @@ class RMT(nn.Module):
         return ModelOutput(self.backbone.head(hidden), batch["labels"][scored_positions(batch["labels"])])
 
     @torch.no_grad()
-    def short_context_logprobs(self, batch: dict, out: ModelOutput) -> Tensor:
-        """log P(target) (N,) from each segment alone (memory reset to M_0 every segment), for LongCE."""
+    def short_context_logprobs(
+        self, batch: dict, out: ModelOutput, K: int | None = None, d: int | None = None
+    ) -> Tensor:
+        """log P(target) (N,) from each segment alone (memory reset to M_0 every segment), for LongCE; no grad.
+        K and d (the sliding window of CausalLM) do not apply: the segment is the short context."""
         logits = self.backbone.head(self.scored_hidden(batch, recurrent=False)).float()
         return logits.log_softmax(-1).gather(-1, out.targets[:, None]).squeeze(-1)
 

@@ -15,6 +15,10 @@ from losses.longce import (
     longce_weights,
     sliding_window_short_logprobs,
 )
+from models.llama import Llama, LlamaConfig
+from models.llama_xl import build_llama_xl
+from models.rmt import RMT
+from models.rmt_retrieval import RMTRetrieval
 from tests.test_train import TINY, compose_train
 from tests.tiny_models import VOCAB, TinyCausalLM, brute_force_logprobs, tiny_llama_lm
 from train import train
@@ -219,3 +223,45 @@ def test_train_switches_between_ce_and_longce_by_config(tmp_path):
         )
         losses[loss] = train(cfg)["train/loss"]
     assert all(math.isfinite(v) for v in losses.values()) and losses["ce"] != losses["longce"]
+
+
+# ---- recurrent models: the short context is the target's own segment -----------------------------------------
+def recurrent_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = dict(
+        vocab_size=VOCAB, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_size=64, max_positions=64
+    )
+    if name == "llama_xl":
+        return build_llama_xl(Llama(LlamaConfig(**cfg, key_norm=True, attn_scale=1.0)), segment_size=8)
+    return {"rmt": RMT, "rmt_r": RMTRetrieval}[name](Llama(LlamaConfig(**cfg)), num_memory=4, segment_size=8)
+
+
+@pytest.mark.parametrize("name", ["rmt", "rmt_r", "llama_xl"])
+def test_recurrent_short_context_is_each_segment_alone_and_keeps_the_stream(name):
+    model = recurrent_model(name)
+    gen = torch.Generator().manual_seed(3)
+    stream = [
+        {
+            "input_ids": torch.randint(0, VOCAB, (2, 24), generator=gen),
+            "labels": torch.randint(0, VOCAB, (2, 24), generator=gen),
+            "reset": torch.tensor([i == 0, True]),
+        }
+        for i in range(2)
+    ]
+    alone = [
+        model({k: v[:, a : a + 8] for k, v in stream[0].items() if k != "reset"}) for a in range(0, 24, 8)
+    ]  # a batch without `reset` starts from fresh memory / an empty cache
+    expected = torch.cat(
+        [-F.cross_entropy(o.logits, o.targets, reduction="none").view(2, 8) for o in alone], 1
+    )
+    out = model(stream[0])
+    short = model.short_context_logprobs(stream[0], out)  # (48,)
+    torch.testing.assert_close(short, expected.flatten(), atol=1e-5, rtol=1e-5)
+    long = -F.cross_entropy(out.logits, out.targets, reduction="none")
+    assert not torch.allclose(short, long)  # memory / cache changes later segments' predictions
+
+    continued = model(stream[1]).logits  # the stream after the short-context pass ...
+    model(stream[0])
+    torch.testing.assert_close(continued, model(stream[1]).logits)  # ... is the stream without it
+    loss = LongCE(gamma=5.0)(out, model, stream[0])
+    assert math.isfinite(loss.item())
