@@ -21,6 +21,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 from torch import Tensor
 
 from models.llama import Attention, Llama, apply_rope, rope_cos_sin
@@ -49,6 +50,8 @@ def distance_figure(states: Tensor, title: str = "Memory states: pairwise L2 dis
     ax = fig.subplots()
     im = ax.imshow(dist, cmap="coolwarm_r")
     ax.set(title=title, xlabel="memory state t", ylabel="memory state t")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(MaxNLocator(integer=True))
     fig.colorbar(im, ax=ax, label="distance (red = similar)")
     return fig
 
@@ -166,7 +169,12 @@ class MemoryMapsCallback(L.Callback):
         self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0
     ) -> None:
         model = pl_module.model
-        if not isinstance(model, RMT) or batch_idx != 0 or trainer.sanity_checking:
+        if (
+            not isinstance(model, RMT)
+            or batch_idx != 0
+            or trainer.sanity_checking
+            or not trainer.is_global_zero
+        ):
             return
         n_loaders = len(trainer.val_dataloaders) if isinstance(trainer.val_dataloaders, list) else 1
         if dataloader_idx != self.dataloader_idx % n_loaders or self._validations % self.every:
