@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from models.kv_cache import XLKVCache
 from models.llama import Llama
-from models.outputs import ModelOutput, scored_positions
+from models.outputs import ModelOutput, scored_positions, target_logprobs
 
 
 class LlamaXL(nn.Module):
@@ -122,8 +122,7 @@ class LlamaXL(nn.Module):
     ) -> Tensor:
         """log P(target) (N,) from each segment alone (no cached keys/values), for LongCE; no grad.
         K and d (the sliding window of CausalLM) do not apply: the segment is the short context."""
-        logits = self.backbone.head(self.scored_hidden(batch, cached=False)).float()
-        return logits.log_softmax(-1).gather(-1, out.targets[:, None]).squeeze(-1)
+        return target_logprobs(self.backbone.head(self.scored_hidden(batch, cached=False)), out.targets)
 
     @torch.no_grad()
     def iter_logits(self, input_ids: Tensor) -> Iterator[Tensor]:

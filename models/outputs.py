@@ -18,3 +18,8 @@ class ModelOutput:
 def scored_positions(labels: Tensor) -> Tensor:
     """Bool mask (B, T) of the positions a model must score."""
     return labels != -100
+
+
+def target_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """log P(target) (N,) in float32 from logits (N, V) and targets (N,)."""
+    return logits.float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from models.llama import padding_position_ids
 from models.memory import MemoryState
-from models.outputs import ModelOutput, scored_positions
+from models.outputs import ModelOutput, scored_positions, target_logprobs
 
 
 class RMT(nn.Module):
@@ -173,8 +173,7 @@ class RMT(nn.Module):
     ) -> Tensor:
         """log P(target) (N,) from each segment alone (memory reset to M_0 every segment), for LongCE; no grad.
         K and d (the sliding window of CausalLM) do not apply: the segment is the short context."""
-        logits = self.backbone.head(self.scored_hidden(batch, recurrent=False)).float()
-        return logits.log_softmax(-1).gather(-1, out.targets[:, None]).squeeze(-1)
+        return target_logprobs(self.backbone.head(self.scored_hidden(batch, recurrent=False)), out.targets)
 
     @torch.no_grad()
     def iter_logits(self, input_ids: Tensor) -> Iterator[Tensor]:
