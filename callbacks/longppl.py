@@ -36,6 +36,7 @@ from data.tokenizer import HFTokenizer, Tokenizer
 from models import streaming
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+LSE_CHUNK = 2**18  # logits elements per log-sum-exp pass (1 MB in float32: stays in cache)
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,13 @@ def _call_logits(logits_fn: LogitsFn, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[target], in float32: (..., V), (...) -> (...)."""
-    logits = logits.float()
-    return logits.gather(-1, targets[..., None])[..., 0] - logits.logsumexp(-1)
+    """log softmax(logits)[target], in float32: (..., T, V), (..., T) -> (..., T). On a CPU the log-sum-exp runs
+    over chunks of about LSE_CHUNK elements, which stay in cache (one pass over a (3072, 32000) tensor took 2.5x
+    as long); a GPU takes it in one pass."""
+    per_position = max(1, logits[..., 0, :].numel())
+    rows = max(1, LSE_CHUNK // per_position) if logits.device.type == "cpu" else logits.shape[-2]
+    lse = torch.cat([c.float().logsumexp(-1) for c in logits.split(rows, dim=-2)], dim=-1)
+    return logits.gather(-1, targets[..., None])[..., 0].float() - lse
 
 
 def first_short_index(K: int, d: int) -> int:

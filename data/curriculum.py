@@ -4,6 +4,8 @@ Stages over the maximum number of segments (RMT 1-2-4-6-8-16-32, RMT-R 2-4-6-8-1
 k segments of `segment_size` tokens, exactly k * segment_size tokens per sample (no padding), with k ~ U{k_min..n}
 (k_min = 1 unless the task's shortest sample needs more), except that a share `mixed_length_ratio` of the batches
 has exactly k = n. A single-stage schedule with ratio 1 is the plain mode: every sample has n segments.
+Stage 0 (only first, e.g. [0, 1, 2]) is the easy start: the bAbI facts alone, no background (left-padded rows),
+validated on facts-only samples as `acc@0seg`; the model learns the task before it learns to find the facts.
 
 Data stream: an infinite sampler draws keys (n, j); training batch j of stage n is a pure function of
 (seed, n, j), so any number of workers gives the same batches. `CurriculumCallback` advances the stage after a
@@ -54,14 +56,18 @@ TRAIN, VALIDATION, TEST = 0, 1, 2  # seed-key tags of the three sample streams
 
 
 def draw_segments(rng: np.random.Generator, n: int, k_min: int, mixed_length_ratio: float) -> int:
-    """Segments of one batch in stage n: n with probability `mixed_length_ratio`, else k ~ U{k_min..n}."""
+    """Segments of one batch in stage n: n with probability `mixed_length_ratio`, else k ~ U{k_min..n}.
+    Stage 0 (facts only) gives 0."""
+    if n == 0:
+        return 0
     if rng.random() < mixed_length_ratio:
         return n
     return int(rng.integers(k_min, n + 1))
 
 
 class CurriculumBatches(Dataset):
-    """Training batch for key (n, j): same-k samples of exactly k * segment_size tokens, a function of (seed, n, j)."""
+    """Training batch for key (n, j): same-k samples of exactly k * segment_size tokens, a function of (seed, n, j);
+    k = 0: the facts alone (no background), left-padded to the longest row."""
 
     def __init__(
         self,
@@ -91,6 +97,10 @@ class CurriculumBatches(Dataset):
         n, j = key
         rng = np.random.default_rng([self.seed, TRAIN, n, j])
         k = draw_segments(rng, n, self.k_min, self.ratio)
+        if k == 0:
+            idx = rng.integers(len(self.tasks), size=self.B)
+            samples = [make_sample(self.tasks, int(i), self.haystack, rng, length=0) for i in idx]
+            return collate(samples, self.pad_id, self.context_loss, n_segments=0, task=self.task)
         idx = rng.choice(self.fitting(k), size=self.B)
         samples = [make_sample(self.tasks, int(i), self.haystack, rng, total=k * self.L) for i in idx]
         return collate(samples, self.pad_id, self.context_loss, n_segments=k, task=self.task)
@@ -144,9 +154,10 @@ class BabilongDataModule(L.LightningDataModule):
         super().__init__()
         self.task = check_task(task)
         self.schedule = tuple(int(n) for n in schedule)
-        if not self.schedule or self.schedule[0] < 1 or list(self.schedule) != sorted(set(self.schedule)):
+        if not self.schedule or self.schedule[0] < 0 or list(self.schedule) != sorted(set(self.schedule)):
             raise ValueError(
-                f"schedule {list(self.schedule)} must be increasing segment counts >= 1, e.g. [1, 2, 4]"
+                f"schedule {list(self.schedule)} must be increasing segment counts >= 1, e.g. [1, 2, 4], "
+                "optionally after 0 (facts only, no background): [0, 1, 2]"
             )
         if not 0.0 <= mixed_length_ratio <= 1.0:
             raise ValueError(f"mixed_length_ratio {mixed_length_ratio} must lie in [0, 1]")
@@ -157,10 +168,12 @@ class BabilongDataModule(L.LightningDataModule):
         self.val_segments = tuple(int(k) for k in (self.schedule if val_segments is None else val_segments))
         self.val_lengths, self.test_lengths = tuple(map(int, val_lengths)), tuple(map(int, test_lengths))
         if (
-            min(self.val_segments, default=1) < 1
+            min(self.val_segments, default=0) < 0
             or min((*self.val_lengths, *self.test_lengths), default=0) < 0
         ):
-            raise ValueError("Evaluation segment counts must be >= 1 and lengths >= 0 tokens.")
+            raise ValueError(
+                "Evaluation segment counts must be >= 0 (0 = facts only) and lengths >= 0 tokens."
+            )
         if not self.val_segments and not self.val_lengths:
             raise ValueError("No validation set: give val_segments (null = the schedule) or val_lengths.")
         missing = sorted(set(self.schedule) - set(self.val_segments))
@@ -262,10 +275,11 @@ class BabilongDataModule(L.LightningDataModule):
             self.context_loss,
             self.task,
         )
-        if self._train.k_min > self.schedule[0]:
+        first = next((n for n in self.schedule if n > 0), None)
+        if first is not None and self._train.k_min > first:
             raise ValueError(
                 f"{self.task}: the shortest sample needs {self._train.k_min} segments of {self.segment_size} "
-                f"tokens, but the schedule starts at {self.schedule[0]}. Start curriculum.schedule at "
+                f"tokens, but the schedule's first background stage has {first}. Start it at "
                 f"{self._train.k_min} or raise the segment size."
             )
 
@@ -308,6 +322,8 @@ class BabilongDataModule(L.LightningDataModule):
         """Fixed evaluation set of `split`: sample i is a function of (eval_seed, split, size, i)."""
         key = [self.eval_seed, VALIDATION if split == "validation" else TEST]
         key += [1, length] if segments is None else [0, segments]
+        if segments == 0:  # facts only
+            segments, length = None, 0
         total = None if segments is None else segments * self.segment_size
         return HaystackSet(self.pool(split), self.haystack(split), key, n, length=length, total=total)
 

@@ -66,12 +66,30 @@ def build_backbone(cfg: DictConfig, tokenizer) -> torch.nn.Module:
 MODEL_KEYS_FOR_OTHER_GROUPS = ("backbone", "ordered_data")
 
 
+def load_backbone_init(backbone: torch.nn.Module, path: str) -> None:
+    """Start from backbone weights saved by `python -m models.pretrain_babi` (`backbone_init=<file>`)."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(
+            f"backbone_init={path} does not exist. Create it once with `python -m models.pretrain_babi --task qa1 "
+            f"--out {path}` (same backbone= overrides as this run), or set backbone_init=null for random weights."
+        )
+    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    try:
+        backbone.load_state_dict(state)
+    except RuntimeError as e:
+        raise ValueError(
+            f"backbone_init={path} does not fit this backbone; re-create it with this run's backbone= options.\n{e}"
+        ) from None
+
+
 def build_model(cfg: DictConfig, tokenizer) -> torch.nn.Module:
-    """Backbone wrapped by the task model of `cfg.model` (CausalLM, RMT, RMT-R, Llama-XL)."""
+    """Backbone (from `backbone_init` weights when set) wrapped by the task model of `cfg.model` (CausalLM, RMT,
+    RMT-R, Llama-XL)."""
     model_cfg = {k: v for k, v in cfg.model.items() if k not in MODEL_KEYS_FOR_OTHER_GROUPS}
-    return instantiate(OmegaConf.create(model_cfg), _partial_=True)(
-        backbone=build_backbone(cfg.backbone, tokenizer)
-    )
+    backbone = build_backbone(cfg.backbone, tokenizer)
+    if cfg.get("backbone_init"):
+        load_backbone_init(backbone, cfg.backbone_init)
+    return instantiate(OmegaConf.create(model_cfg), _partial_=True)(backbone=backbone)
 
 
 def set_threads(cfg: DictConfig, n_params: int) -> None:

@@ -10,6 +10,8 @@ from torch import Tensor, nn
 from callbacks.longppl import short_context_windows
 from models.outputs import ModelOutput, scored_positions
 
+LOGITS_PER_FORWARD = 2**24  # short-context pass of LongCE: bounds the (windows, d, V) logits of one forward
+
 
 class CausalLM(nn.Module):
     """Backbone + LM head applied only where `labels != -100` (the vocabulary costs nothing elsewhere).
@@ -73,7 +75,10 @@ class CausalLM(nn.Module):
         def last_logits(w: Tensor) -> Tensor:  # (b, K+d-1) -> (b, d, V): the vocabulary only where scored
             return self.backbone.head(self.backbone(input_ids=w)[:, K - 1 :])
 
-        per_forward = max(1, ids.numel() // (K + d - 1))  # windows per forward: about one batch of tokens
+        # windows per forward: about one batch of tokens, and logits of at most LOGITS_PER_FORWARD elements
+        per_forward = max(
+            1, min(ids.numel() // (K + d - 1), LOGITS_PER_FORWARD // (d * self.backbone.vocab_size))
+        )
         short, _ = windows.scatter(windows.score(last_logits, per_forward))  # (B, T+1), NaN: no short context
         return short[:, 1:][scored]
 

@@ -65,6 +65,26 @@ def test_batches_are_same_k_unpadded_and_exactly_k_segments(tok, cache):
     assert set(ks) == {1, 2, 3, 4} and ks.count(4) > ks.count(1)
 
 
+def test_facts_only_stage_has_no_background_and_validates_on_facts_only(tok, cache):
+    dm = make_dm(tok, cache, schedule=(0, 1, 2))
+    pool = dm.pool("train")
+    for j in range(5):
+        b = dm.batch(0, j)
+        assert b["n_segments"] == 0 and b["input_ids"].shape[0] == 3
+        lengths = b["attention_mask"].sum(1).numpy()
+        # each row is [bos] facts question prompt answer [eos] of some pool sample, and nothing else
+        assert set(lengths) <= set((pool.facts_len + pool.extra_len).tolist())
+        assert not bool(b["attention_mask"][:, -1].eq(0).any())  # left-padded
+    assert dm.val_names[0] == "qa1/acc@0seg"
+    val, pool_val = dm.val_dataloader()[0].dataset, dm.pool("validation")
+    assert all(
+        s.context_len == pool_len for s, pool_len in zip(val, pool_val.facts_len[: len(val)], strict=True)
+    )
+    assert dm.batch(1, 0)["input_ids"].shape == (3, L_SEG)
+    with pytest.raises(ValueError, match="optionally after 0"):
+        make_dm(tok, cache, schedule=(-1, 1))
+
+
 def test_batch_j_is_a_function_of_seed_stage_and_j(tok, cache):
     a, b = make_dm(tok, cache), make_dm(tok, cache)
     assert fingerprint(a.batch(4, 7)) == fingerprint(b.batch(4, 7))
