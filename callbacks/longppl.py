@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from rich.progress import track
 from torch import nn
 
 from callbacks.evaluator_callback import EvaluatorCallback, EvaluatorReport
@@ -423,10 +424,11 @@ def longppl_documents(
     beta: float = -2.0,
     batch_size: int = 4,
     cache_dir: str | Path | None = None,
+    progress: bool = False,
 ) -> list[LongPPLDocument]:
     """The first max_docs documents of `split` with their key tokens under the evaluator. Key masks are cached in
     `<cache_dir>/longppl_keys/` keyed by (text, evaluator id, its tokenizer, K, d, alpha, beta), so a repeated
-    evaluation costs only the evaluated model's forwards."""
+    evaluation costs only the evaluated model's forwards. progress: a bar over the documents."""
     if split not in corpus.splits:
         raise ValueError(
             f"Corpus {corpus.name!r} has no split {split!r}; choose one of {sorted(corpus.splits)}."
@@ -436,7 +438,8 @@ def longppl_documents(
     same_tokens = evaluator.tokenizer.fingerprint == tokenizer.fingerprint
     cache_root = Path(cache_dir or default_cache_dir()) / "longppl_keys"
     docs = []
-    for doc in corpus.splits[split][:max_docs]:
+    chosen = corpus.splits[split][:max_docs]
+    for doc in track(chosen, "LongPPL key tokens", total=len(chosen), disable=not progress):
         tokens, offsets = _with_bos(tokenizer, doc.text, max_len)
         text = doc.text[: offsets[-1][1]]  # what the evaluated tokens cover
         ev_tokens, ev_offsets = (tokens, offsets) if same_tokens else _with_bos(evaluator.tokenizer, text)
@@ -500,7 +503,7 @@ class CorpusLongPPL:
 
 
 @torch.no_grad()
-def score_longppl(model: nn.Module, docs: list[LongPPLDocument]) -> CorpusLongPPL:
+def score_longppl(model: nn.Module, docs: list[LongPPLDocument], progress: bool = False) -> CorpusLongPPL:
     """LongPPL of a task model: its full-context log-probs streamed through `iter_logits` (sliding window, cache
     or memory), one document at a time, in eval mode (its mode restored afterwards)."""
     device = next(model.parameters()).device
@@ -510,7 +513,7 @@ def score_longppl(model: nn.Module, docs: list[LongPPLDocument]) -> CorpusLongPP
     n_key = n_tokens = 0
     results = []
     try:
-        for doc in docs:
+        for doc in track(docs, "LongPPL of the model", disable=not progress):
             logprobs = streaming.token_logprobs(model, doc.tokens[None].to(device))[0].cpu()  # (T,)
             result = longppl_from_logprobs(logprobs, doc.key_mask)
             key_nll -= logprobs[doc.key_mask].double().sum().item()
@@ -551,10 +554,10 @@ def evaluate_longppl(
     device = str(next(model.parameters()).device)
     chosen = load_evaluator(evaluator, model, tokenizer, device)
     docs = longppl_documents(
-        tokenizer, corpus, chosen, split, max_docs, max_len, K, d, alpha, beta, batch_size
+        tokenizer, corpus, chosen, split, max_docs, max_len, K, d, alpha, beta, batch_size, progress=True
     )
     del chosen
-    result = score_longppl(model, docs)
+    result = score_longppl(model, docs, progress=True)
     settings = dict(evaluator=evaluator, K=K, d=d, alpha=alpha, beta=beta, max_docs=max_docs, max_len=max_len)
     result.save(out_dir, {**settings, "split": split})
     return result.metrics()

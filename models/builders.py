@@ -82,13 +82,13 @@ def load_backbone_init(backbone: torch.nn.Module, path: str) -> None:
         ) from None
 
 
-def build_model(cfg: DictConfig, tokenizer) -> torch.nn.Module:
-    """Backbone (from `backbone_init` weights when set) wrapped by the task model of `cfg.model` (CausalLM, RMT,
-    RMT-R, Llama-XL)."""
+def build_model(cfg: DictConfig, tokenizer, backbone_init: str | None = None) -> torch.nn.Module:
+    """Backbone (from `backbone_init` weights when given: train.py's start) wrapped by the task model of
+    `cfg.model` (CausalLM, RMT, RMT-R, Llama-XL)."""
     model_cfg = {k: v for k, v in cfg.model.items() if k not in MODEL_KEYS_FOR_OTHER_GROUPS}
     backbone = build_backbone(cfg.backbone, tokenizer)
-    if cfg.get("backbone_init"):
-        load_backbone_init(backbone, cfg.backbone_init)
+    if backbone_init:
+        load_backbone_init(backbone, backbone_init)
     return instantiate(OmegaConf.create(model_cfg), _partial_=True)(backbone=backbone)
 
 
@@ -126,7 +126,7 @@ def build_run(cfg: DictConfig) -> Run:
     tokenizer = instantiate(cfg.tokenizer)
     corpus = instantiate(cfg.corpus)
     datamodule = instantiate(cfg.task, _partial_=True)(tokenizer=tokenizer, corpus=corpus)
-    model = build_model(cfg, tokenizer)
+    model = build_model(cfg, tokenizer, cfg.get("backbone_init"))
     n_params = sum(p.numel() for p in model.parameters())
     set_threads(cfg, n_params)
     log.info("model: %s, %.2fM parameters", type(model).__name__, n_params / 1e6)

@@ -5,19 +5,24 @@ Why: a randomly initialised tiny RMT trained on the answers alone sits for thous
 location" plateau of qa1 (~50%): binding a location to the person of its sentence needs a two-layer circuit whose
 first layer gets no gradient until the second attends by name. A dense signal breaks the plateau: next-token
 prediction over every story token (local attention forms first) plus the answer. Both losses are means over their
-tokens, computed over the task's own vocabulary (the tokens its texts use), so a 32k-token head costs nothing.
+tokens, over the task's own vocabulary: a copy of the backbone with only the embedding and head rows of the
+tokens the task's texts use is trained (a 32k-token vocabulary costs nothing) and written back.
 Every batch draws fresh samples from a large generated pool, so the model learns the rule, not the stories.
 
-    python -m models.pretrain_babi --task qa1 --out checkpoints/tiny_qa1.pt [hydra overrides, e.g. backbone=tiny]
+    python -m models.pretrain_babi model=rmt_r task=qa1      # writes the run's backbone_init (its recipe's)
+    python train.py model=rmt_r task=qa1                     # starts from it
 
-The backbone is built from the same Hydra config as `train.py` (tokenizer, backbone), so the weights fit it.
+The backbone is built from the same Hydra config as `train.py` with the same overrides, so the weights fit it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +35,7 @@ from torch import Tensor, nn
 from data.babi import generate_task
 from data.babilong import EncodedSample, TaskTokens, assemble, check_task, collate
 from models.builders import build_backbone, instantiate, register_resolvers
+from models.llama import Llama
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -41,37 +47,54 @@ def facts_only(tasks: TaskTokens, i: int) -> EncodedSample:
 
 
 class TaskVocabulary:
-    """The token ids a pool uses; logits restricted to them: (N, D) hidden -> (N, v) over those tokens."""
+    """The token ids a pool uses (with bos, eos, pad), and the map from them to 0..v-1."""
 
-    def __init__(self, tasks: TaskTokens, vocab_size: int):
+    def __init__(self, tasks: TaskTokens, pad_id: int):
         pieces = [f for fs in tasks.facts for f in fs] + tasks.tail + tasks.answer
-        used = np.unique(np.concatenate([np.asarray([tasks.eos], np.int64), *pieces]))
-        self.ids = torch.from_numpy(used)
-        self.index = torch.full((vocab_size,), -100, dtype=torch.long)
-        self.index[self.ids] = torch.arange(len(used))
+        special = np.asarray([tasks.bos, tasks.eos, pad_id], np.int64)
+        self.ids = torch.from_numpy(np.unique(np.concatenate([special, *pieces])))  # (v,)
+        self.index = torch.full((int(self.ids.max()) + 1,), -100, dtype=torch.long)
+        self.index[self.ids] = torch.arange(len(self.ids))
 
-    def logits(self, backbone: nn.Module, hidden: Tensor) -> Tensor:
-        return F.linear(hidden, head_weight(backbone)[self.ids])
+    def compact(self, batch: dict) -> dict:
+        """The batch in compact ids (labels keep -100)."""
+        labels = batch["labels"]
+        compact_labels = torch.where(labels == -100, labels, self.index[labels.clamp(min=0)])
+        return batch | {"input_ids": self.index[batch["input_ids"]], "labels": compact_labels}
 
 
-def head_weight(backbone: nn.Module) -> Tensor:
-    """(V, D) output matrix of our Llama or a Hugging Face backbone."""
-    head = getattr(backbone, "lm_head", None)
-    if head is None and hasattr(backbone, "model"):
-        head = backbone.model.get_output_embeddings()
-    if not isinstance(head, nn.Linear):
+def compact_backbone(backbone: Llama, vocab: TaskVocabulary) -> Llama:
+    """A copy of `backbone` with only the vocabulary's rows of its embedding and head (v instead of V tokens).
+    With no weight decay, Adam leaves the other rows untouched, so training the copy trains the backbone."""
+    if not isinstance(backbone, Llama):
         raise TypeError(
-            f"{type(backbone).__name__} has no linear output head to restrict to the task vocabulary."
+            f"Warm start needs our Llama backbone (backbone=tiny ...), got {type(backbone).__name__}."
         )
-    return head.weight
+    small = Llama(dataclasses.replace(backbone.cfg, vocab_size=len(vocab.ids)))
+    state = backbone.state_dict()
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        state[name] = state[name][vocab.ids]
+    small.load_state_dict(state)
+    return small
 
 
-def losses(backbone: nn.Module, vocab: TaskVocabulary, batch: dict) -> tuple[Tensor, Tensor, Tensor]:
+def write_back(small: Llama, backbone: Llama, vocab: TaskVocabulary) -> None:
+    """Copy the trained compact weights into the full backbone (its other vocabulary rows are unchanged)."""
+    state = backbone.state_dict()
+    for name, value in small.state_dict().items():
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            state[name] = state[name].clone().index_copy_(0, vocab.ids, value)
+        else:
+            state[name] = value
+    backbone.load_state_dict(state)
+
+
+def losses(model: nn.Module, batch: dict) -> tuple[Tensor, Tensor, Tensor]:
     """Answer CE, context CE (means over their tokens) and the answer's exact match per row (B,)."""
-    hidden = backbone(batch["input_ids"], attention_mask=batch["attention_mask"])  # (B, T, D)
+    hidden = model(batch["input_ids"], attention_mask=batch["attention_mask"])  # (B, T, D)
     scored = batch["labels"] != -100
-    logits = vocab.logits(backbone, hidden[scored])  # (N, v)
-    targets = vocab.index[batch["labels"][scored]]
+    logits = model.head(hidden[scored])  # (N, v)
+    targets = batch["labels"][scored]
     answer = batch["answer_mask"][scored]
     ce = F.cross_entropy(logits, targets, reduction="none")
     ctx = ce[~answer].mean() if bool((~answer).any()) else ce.new_zeros(())
@@ -95,39 +118,46 @@ def pretrain(
     eval_every: int = 250,
     target_accuracy: float | None = None,
     seed: int = 0,
-    log=print,
+    log: Callable[[str], None] | None = None,
 ) -> float:
     """Train `backbone` in place on facts-only samples of `task`; returns the final validation exact match.
 
-    Stops early once the validation accuracy reaches `target_accuracy` (None: run every step).
+    Stops early once the validation accuracy reaches `target_accuracy` (None: run every step). `log` gets a JSON
+    line per evaluation (default: print).
     """
+    log = log or partial(print, flush=True)
     check_task(task)
     pool = TaskTokens(generate_task(task, n=n_pool, seed=seed), tokenizer)
     val = TaskTokens(generate_task(task, n=n_val, seed=seed + 10**6), tokenizer)
-    vocab = TaskVocabulary(pool, backbone.vocab_size)
+    vocab = TaskVocabulary(pool, tokenizer.pad_id)
+    missing = set(np.concatenate([*val.answer, *val.tail]).tolist()) - set(vocab.ids.tolist())
+    if missing:
+        raise ValueError(f"Validation tokens {sorted(missing)} never occur in the pool: raise n_pool.")
+    model = compact_backbone(backbone, vocab)
     val_batches = [
-        collate([facts_only(val, i) for i in range(a, min(a + 128, n_val))], tokenizer.pad_id)
+        vocab.compact(collate([facts_only(val, i) for i in range(a, min(a + 128, n_val))], tokenizer.pad_id))
         for a in range(0, n_val, 128)
     ]
 
     @torch.no_grad()
     def accuracy() -> float:
-        backbone.eval()
-        hits = torch.cat([losses(backbone, vocab, b)[2] for b in val_batches])
-        backbone.train()
+        model.eval()
+        hits = torch.cat([losses(model, b)[2] for b in val_batches])
+        model.train()
         return float(hits.float().mean())
 
-    opt = torch.optim.AdamW(backbone.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup_steps))
     rng = np.random.default_rng(seed)
     t0, acc = time.perf_counter(), 0.0
     for step in range(1, steps + 1):
         rows = [facts_only(pool, int(i)) for i in rng.integers(len(pool), size=batch_size)]
-        answer, ctx, _ = losses(backbone, vocab, collate(rows, tokenizer.pad_id, context_loss=True))
+        batch = vocab.compact(collate(rows, tokenizer.pad_id, context_loss=True))
+        answer, ctx, _ = losses(model, batch)
         loss = answer + context_weight * ctx
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(backbone.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         if step % eval_every == 0 or step == steps:
@@ -145,6 +175,7 @@ def pretrain(
             )
             if target_accuracy is not None and acc >= target_accuracy:
                 break
+    write_back(model, backbone, vocab)
     return acc
 
 
@@ -158,36 +189,32 @@ def save_backbone(backbone: nn.Module, path: str | Path, backbone_cfg: DictConfi
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", default="qa1")
-    p.add_argument("--out", required=True, help="where to save the backbone (.pt)")
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--target-accuracy", type=float, default=None)
+    p.add_argument("--target-accuracy", type=float, default=0.97, help="stop once reached (facts-only)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "overrides", nargs="*", help="Hydra overrides of configs/train.yaml (tokenizer=, backbone=...)"
-    )
+    p.add_argument("--out", default=None, help="default: the run's backbone_init")
+    p.add_argument("overrides", nargs="*", help="the train.py overrides of the run to warm-start")
     a = p.parse_args()
     register_resolvers()
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
         cfg = compose("train", overrides=a.overrides)
+    task, out = cfg.task.get("task"), a.out or cfg.get("backbone_init")
+    if task is None or out is None:
+        raise ValueError(
+            "Name a BABILong run and a file: e.g. `python -m models.pretrain_babi model=rmt_r task=qa1` (its "
+            "recipe sets backbone_init), or add --out FILE."
+        )
     torch.manual_seed(a.seed)
     torch.set_num_threads(cfg.get("threads") or 1)
     tokenizer = instantiate(cfg.tokenizer)
     backbone = build_backbone(cfg.backbone, tokenizer)
     acc = pretrain(
-        backbone,
-        tokenizer,
-        a.task,
-        a.steps,
-        a.batch_size,
-        a.lr,
-        target_accuracy=a.target_accuracy,
-        seed=a.seed,
+        backbone, tokenizer, task, a.steps, a.batch_size, a.lr, target_accuracy=a.target_accuracy, seed=a.seed
     )
-    save_backbone(backbone, a.out, cfg.backbone, task=a.task, facts_only_accuracy=acc)
-    print(f"Saved the backbone to {a.out} (facts-only {a.task} exact match {acc:.3f})")
+    save_backbone(backbone, out, cfg.backbone, task=task, facts_only_accuracy=acc)
+    print(f"Saved the backbone to {out} (facts-only {task} exact match {acc:.3f})")
 
 
 if __name__ == "__main__":

@@ -206,12 +206,15 @@ def test_every_task_and_curriculum_config_builds_a_datamodule(tok):
             dm = build_from_config(tok, task, "rmt")
             assert dm.task == task and dm.segment_size == 512 and dm.test_names[-1] == f"{task}/acc@128k"
         for curriculum, schedule in [
-            ("rmt", (1, 2, 4, 6, 8, 16, 32)),
-            ("rmt_r", (2, 4, 6, 8, 16, 32)),
+            ("rmt", (0, 1, 2)),
+            ("rmt_r", (0, 2)),
             ("fixed", (4,)),
+            ("llama", (4,)),
+            ("llama_xl", (4,)),
         ]:
             dm = build_from_config(tok, "qa1", curriculum)
+            staged = curriculum.startswith("rmt")
             assert dm.schedule == schedule and dm.val_names[-1] == f"qa1/acc@{schedule[-1]}seg"
-            assert dm.mixed_length_ratio == (1.0 if curriculum == "fixed" else 0.0)
+            assert dm.mixed_length_ratio == (0.0 if staged else 1.0)
             callbacks = [type(c).__name__ for c in dm.callbacks()]
-            assert callbacks == ([] if curriculum == "fixed" else ["CurriculumCallback"])
+            assert callbacks == (["CurriculumCallback"] if staged else [])

@@ -1,5 +1,5 @@
-"""Backbone warm start on bAbI stories: restricted-vocabulary logits equal the full head's, the dense loss falls,
-and `backbone_init` loads the saved weights exactly (or fails naming the command that creates them)."""
+"""Backbone warm start on bAbI stories: the compact copy computes the full backbone's logits at the task's tokens,
+the dense loss falls and only the task's rows change, and `backbone_init` loads the saved weights exactly (or fails naming the command that creates them)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,14 @@ from data.babilong import TaskTokens, collate
 from data.tokenizer import build_tokenizer
 from models.backbone import build_llama
 from models.builders import load_backbone_init
-from models.pretrain_babi import TaskVocabulary, facts_only, losses, pretrain, save_backbone
+from models.pretrain_babi import (
+    TaskVocabulary,
+    compact_backbone,
+    facts_only,
+    losses,
+    pretrain,
+    save_backbone,
+)
 
 
 @pytest.fixture(scope="module")
@@ -25,24 +32,32 @@ def tiny(tok, seed: int = 0):
     return build_llama(tok.vocab_size, 32, 2, 2, 2, 64, 256)
 
 
-def test_task_vocabulary_logits_are_the_full_heads_at_those_tokens(tok):
+def test_compact_copy_computes_the_full_backbones_logits_at_the_task_tokens(tok):
     tasks = TaskTokens(generate_task("qa1", n=50, seed=0), tok)
-    vocab, model = TaskVocabulary(tasks, tok.vocab_size), tiny(tok)
+    vocab, model = TaskVocabulary(tasks, tok.pad_id), tiny(tok)
     batch = collate([facts_only(tasks, i) for i in range(4)], tok.pad_id, context_loss=True)
-    hidden = model(batch["input_ids"], attention_mask=batch["attention_mask"])
-    torch.testing.assert_close(vocab.logits(model, hidden), model.head(hidden)[..., vocab.ids])
-    scored = batch["labels"][batch["labels"] != -100]
-    assert bool((vocab.ids[vocab.index[scored]] == scored).all())  # every target is in the vocabulary
+    small, compact = compact_backbone(model, vocab), vocab.compact(batch)
+    full = model.logits(batch["input_ids"], attention_mask=batch["attention_mask"])[..., vocab.ids]
+    torch.testing.assert_close(
+        small.logits(compact["input_ids"], attention_mask=batch["attention_mask"]), full
+    )
+    scored = batch["labels"] != -100
+    assert bool((vocab.ids[compact["labels"][scored]] == batch["labels"][scored]).all())
 
 
-def test_dense_pretraining_lowers_the_answer_loss(tok):
+def test_dense_pretraining_learns_and_writes_back_only_the_task_rows(tok):
     model = tiny(tok)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     tasks = TaskTokens(generate_task("qa1", n=64, seed=5), tok)
-    batch = collate([facts_only(tasks, i) for i in range(64)], tok.pad_id)
-    vocab = TaskVocabulary(TaskTokens(generate_task("qa1", n=2000, seed=0), tok), tok.vocab_size)
-    before = losses(model, vocab, batch)[0].item()
+    vocab = TaskVocabulary(TaskTokens(generate_task("qa1", n=2000, seed=0), tok), tok.pad_id)
+    batch = vocab.compact(collate([facts_only(tasks, i) for i in range(64)], tok.pad_id))
+    loss_before = losses(compact_backbone(model, vocab), batch)[0].item()
     pretrain(model, tok, steps=60, n_pool=2000, n_val=64, eval_every=60, log=lambda line: None)
-    assert losses(model, vocab, batch)[0].item() < 0.6 * before
+    assert losses(compact_backbone(model, vocab), batch)[0].item() < 0.7 * loss_before
+    others = torch.ones(tok.vocab_size, dtype=torch.bool).index_fill_(0, vocab.ids, False)
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        torch.testing.assert_close(model.state_dict()[name][others], before[name][others])
+        assert not torch.equal(model.state_dict()[name][vocab.ids], before[name][vocab.ids])
 
 
 def test_backbone_init_loads_the_saved_weights_exactly(tok, tmp_path):
