@@ -28,6 +28,7 @@ import torch
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from omegaconf import DictConfig, OmegaConf
+from rich.progress import track
 from torch import nn
 
 from callbacks.babilong_eval import plot_accuracy_heatmap
@@ -67,7 +68,7 @@ def ppl(
         )
     device = next(model.parameters()).device
     rows, nll_sum, n_tokens = [], 0.0, 0
-    for name, doc in zip(tokens.names, docs, strict=False):
+    for name, doc in track(list(zip(tokens.names, docs, strict=False)), f"ppl ({split})"):
         ids = torch.from_numpy(doc[:max_len]).to(device)[None]  # (1, T)
         nll = -token_logprobs(model, ids)[0, 1:].double()  # (T - 1,): index 0 has no prediction
         nll_sum, n_tokens = nll_sum + nll.sum().item(), n_tokens + nll.numel()
@@ -115,7 +116,7 @@ def babilong(
         )
         for length, loader in zip(lengths, data.test_dataloader(), strict=True):
             hits, total = 0.0, 0
-            for batch in loader:
+            for batch in track(loader, f"babilong {task} @ {length_name(length)}"):
                 batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
                 out = model(batch)
                 hits += exact_match(out.logits, out.targets, batch).sum().item()
