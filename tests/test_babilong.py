@@ -231,7 +231,7 @@ def test_bad_input_raises_clear_errors(tok, tmp_path):
             tok, tiny_corpus(), schedule=[2, 4], val_segments=[2], callback=CurriculumCallback()
         )
     with pytest.raises(
-        ValueError, match="shortest sample needs 2 segments of 32 tokens.*schedule starts at 1"
+        ValueError, match="shortest sample needs 2 segments of 32 tokens.*first background stage has 1"
     ):
         BabilongDataModule(
             tok, tiny_corpus(), task="qa3", segment_size=32, n_train=50, cache_dir=str(tmp_path)

@@ -206,8 +206,8 @@ def test_every_task_and_curriculum_config_builds_a_datamodule(tok):
             dm = build_from_config(tok, task, "rmt")
             assert dm.task == task and dm.segment_size == 512 and dm.test_names[-1] == f"{task}/acc@128k"
         for curriculum, schedule in [
-            ("rmt", (0, 1, 2)),
-            ("rmt_r", (0, 2)),
+            ("rmt", (1, 2, 4, 6, 8, 16, 32)),
+            ("rmt_r", (2, 4, 6, 8, 16, 32)),
             ("fixed", (4,)),
             ("llama", (4,)),
             ("llama_xl", (4,)),
