@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
+from rich.progress import track
 from torch import Tensor, nn
 
 from data.babi import generate_task
@@ -119,11 +120,12 @@ def pretrain(
     target_accuracy: float | None = None,
     seed: int = 0,
     log: Callable[[str], None] | None = None,
+    progress: bool = False,
 ) -> float:
     """Train `backbone` in place on facts-only samples of `task`; returns the final validation exact match.
 
     Stops early once the validation accuracy reaches `target_accuracy` (None: run every step). `log` gets a JSON
-    line per evaluation (default: print).
+    line per evaluation (default: print); progress: a bar with rate and ETA.
     """
     log = log or partial(print, flush=True)
     check_task(task)
@@ -150,7 +152,7 @@ def pretrain(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup_steps))
     rng = np.random.default_rng(seed)
     t0, acc = time.perf_counter(), 0.0
-    for step in range(1, steps + 1):
+    for step in track(range(1, steps + 1), f"pretraining on {task}", disable=not progress):
         rows = [facts_only(pool, int(i)) for i in rng.integers(len(pool), size=batch_size)]
         batch = vocab.compact(collate(rows, tokenizer.pad_id, context_loss=True))
         answer, ctx, _ = losses(model, batch)
@@ -184,7 +186,9 @@ def save_backbone(backbone: nn.Module, path: str | Path, backbone_cfg: DictConfi
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     cfg = OmegaConf.to_container(backbone_cfg, resolve=True)
-    torch.save({"state_dict": backbone.state_dict(), "backbone": cfg, **meta}, path)
+    tmp = path.with_name(path.name + ".tmp")  # written whole, then renamed: never a truncated file
+    torch.save({"state_dict": backbone.state_dict(), "backbone": cfg, **meta}, tmp)
+    tmp.replace(path)
 
 
 def main() -> None:
@@ -211,7 +215,15 @@ def main() -> None:
     tokenizer = instantiate(cfg.tokenizer)
     backbone = build_backbone(cfg.backbone, tokenizer)
     acc = pretrain(
-        backbone, tokenizer, task, a.steps, a.batch_size, a.lr, target_accuracy=a.target_accuracy, seed=a.seed
+        backbone,
+        tokenizer,
+        task,
+        a.steps,
+        a.batch_size,
+        a.lr,
+        target_accuracy=a.target_accuracy,
+        seed=a.seed,
+        progress=True,
     )
     save_backbone(backbone, out, cfg.backbone, task=task, facts_only_accuracy=acc)
     print(f"Saved the backbone to {out} (facts-only {task} exact match {acc:.3f})")
