@@ -20,7 +20,7 @@ QA1 = [
     "task.eval_batch_size=4",
     "task.num_workers=0",
     "task.val_segments=[2]",
-    "curriculum.schedule=[1,2]",
+    "curriculum.schedule=[2]",
 ]
 
 
