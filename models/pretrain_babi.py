@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from data.babi import generate_task
 from data.babilong import EncodedSample, TaskTokens, assemble, check_task, collate
 from models.builders import build_backbone, instantiate, register_resolvers
+from models.lit_module import exact_match
 from models.llama import Llama
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -99,10 +100,7 @@ def losses(model: nn.Module, batch: dict) -> tuple[Tensor, Tensor, Tensor]:
     answer = batch["answer_mask"][scored]
     ce = F.cross_entropy(logits, targets, reduction="none")
     ctx = ce[~answer].mean() if bool((~answer).any()) else ce.new_zeros(())
-    wrong = (logits.argmax(-1) != targets) & answer
-    rows = scored.nonzero()[:, 0]
-    n_wrong = torch.zeros(len(scored), dtype=torch.long).index_add_(0, rows, wrong.long())
-    return ce[answer].mean(), ctx, n_wrong == 0
+    return ce[answer].mean(), ctx, exact_match(logits, targets, batch).bool()
 
 
 def pretrain(

@@ -1,9 +1,10 @@
 """Llama-XL and its KV cache: exactness against full forwards with the XL mask, streams across batches, weights."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
 from models.backbone import build_llama
@@ -239,31 +240,10 @@ def test_baseline_checkpoint_loads_unchanged():
 
 def test_hf_llama_weights_load_unchanged(tmp_path):
     torch.manual_seed(1)
-    hf = LlamaForCausalLM(
-        HFLlamaConfig(
-            vocab_size=V,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-            tie_word_embeddings=False,
-        )
-    )
+    cfg = tiny_cfg()
+    hf = LlamaForCausalLM(Llama(cfg).hf_config())  # the same shape, its own random weights
     hf.save_pretrained(tmp_path)
-    backbone = build_llama(
-        vocab_size=V,
-        hidden_size=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_size=128,
-        max_positions=128,
-        key_norm=True,
-        attn_scale=1.0,
-        weights=str(tmp_path),
-    )
+    backbone = build_llama(**dataclasses.asdict(cfg), weights=str(tmp_path))
     xl = build_llama_xl(backbone, segment_size=16, cache_tokens=64)
     ours = xl.backbone.to_hf_state_dict()
     assert ours.keys() == {k for k in hf.state_dict() if "rotary_emb" not in k}
