@@ -110,25 +110,33 @@ def full_context_logprobs(logits_fn: LogitsFn, tokens: torch.Tensor) -> torch.Te
 @dataclass(frozen=True)
 class ShortWindows:
     """The sliding windows of a padded batch: window w (K + d - 1 tokens) scores the d tokens `targets[w]` from
-    its last d positions; `scatter` puts one value per target back at its (row, position) of the batch."""
+    its last d positions, of which the first `n_targets[w]` are real (a text's last block may be partial);
+    `scatter` puts one value per target back at its (row, position) of the batch."""
 
     windows: torch.Tensor  # (W, K + d - 1)
     targets: torch.Tensor  # (W, d)
+    n_targets: torch.Tensor  # (W,) real targets per window
     rows: list[tuple[int, torch.Tensor]]  # per row with windows: (row, scored positions (n - start,))
     n_windows: list[int]  # windows per entry of `rows`
     shape: tuple[int, int]  # (B, T) of the batch
 
-    def score(self, last_logits_fn: LogitsFn, batch_size: int) -> torch.Tensor:
-        """Log-probs (W, d) of the targets; last_logits_fn(windows (b, K+d-1)) -> logits (b, d, V) at the
-        windows' last d positions, called on `batch_size` windows at a time."""
-        if not len(self.windows):
-            return self.targets.new_zeros(self.targets.shape, dtype=torch.float32)
-        return torch.cat(
-            [
-                _gather_logprobs(last_logits_fn(w), t)  # (b, d)
-                for w, t in zip(self.windows.split(batch_size), self.targets.split(batch_size), strict=True)
-            ]
-        )
+    def score(self, last_logprobs_fn: Callable, batch_size: int) -> torch.Tensor:
+        """Log-probs (W, d) of the targets (0 past a window's real targets); last_logprobs_fn(windows (b, K+n-1),
+        targets (b, n)) -> (b, n) log-probs of the targets at the windows' last n positions, called on
+        `batch_size` windows at a time. Windows with n < d real targets are cut to K + n - 1 tokens (causal
+        attention: the cut tail never changed the rest), windows of one length batched together."""
+        out = torch.zeros(self.targets.shape, dtype=torch.float32, device=self.targets.device)
+        context = self.windows.shape[1] - self.targets.shape[1]  # K - 1
+        for n in self.n_targets.unique().tolist():
+            index = (self.n_targets == n).nonzero()[:, 0]
+            windows, targets = self.windows[index, : context + n], self.targets[index, :n]
+            out[index, :n] = torch.cat(
+                [
+                    last_logprobs_fn(w, t).float()
+                    for w, t in zip(windows.split(batch_size), targets.split(batch_size), strict=True)
+                ]
+            )
+        return out
 
     def scatter(self, block_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(W, d) values -> short (B, T) float32, NaN where there is no short context, and has_short (B, T)."""
@@ -142,12 +150,18 @@ class ShortWindows:
 
 
 def short_context_windows(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, K: int, d: int
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    K: int,
+    d: int,
+    drop_full_context: bool = False,
 ) -> ShortWindows:
     """The windows of Eq. 8 for every row of a padded batch, all rows stacked.
 
     input_ids (B, T); attention_mask (B, T), True/1 on real tokens (any padding side; None: no padding).
     Each row's real tokens, in order, form its text; padding never enters a window.
+    drop_full_context: leave out the block k*d = K, whose window starts at the text's first token: its short
+    context is the full context (LSD = 0 by definition), so a caller that knows this need not run it.
     """
     _check_window(K, d, 1)
     if input_ids.dim() != 2 or input_ids.dtype != torch.long:
@@ -158,7 +172,14 @@ def short_context_windows(
     if mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask {tuple(mask.shape)} must match input_ids {tuple(input_ids.shape)}")
     start, window_len = first_short_index(K, d), K + d - 1
-    windows, targets, rows = [], [], []  # per row: (n_blocks, K+d-1), (n_blocks, d), (row, positions)
+    if drop_full_context and start == K:
+        start += d
+    windows, targets, n_targets, rows = (
+        [],
+        [],
+        [],
+        [],
+    )  # per row: (n_blocks, K+d-1), (n_blocks, d), (n_blocks,)
     for row in range(input_ids.shape[0]):
         positions = mask[row].nonzero()[:, 0]  # (n,)
         n = positions.numel()
@@ -168,11 +189,15 @@ def short_context_windows(
         text = F.pad(input_ids[row, positions], (0, start + n_blocks * d - n))
         windows.append(text[start - K :].unfold(0, window_len, d)[:n_blocks])
         targets.append(text[start : start + n_blocks * d].view(n_blocks, d))
+        counts = torch.full((n_blocks,), d, device=input_ids.device)
+        counts[-1] = n - start - (n_blocks - 1) * d  # the last block may be partial
+        n_targets.append(counts)
         rows.append((row, positions[start:]))
     empty = input_ids.new_zeros(0, window_len), input_ids.new_zeros(0, d)
     return ShortWindows(
         windows=torch.cat(windows) if windows else empty[0],
         targets=torch.cat(targets) if targets else empty[1],
+        n_targets=torch.cat(n_targets) if n_targets else input_ids.new_zeros(0),
         rows=rows,
         n_windows=[len(w) for w in windows],
         shape=tuple(input_ids.shape),
@@ -196,7 +221,9 @@ def sliding_window_short_logprobs(
     """
     _check_window(K, d, batch_size)
     windows = short_context_windows(input_ids, attention_mask, K, d)
-    return windows.scatter(windows.score(lambda w: _call_logits(logits_fn, w)[:, K - 1 :], batch_size))
+    return windows.scatter(
+        windows.score(lambda w, t: _gather_logprobs(_call_logits(logits_fn, w)[:, K - 1 :], t), batch_size)
+    )
 
 
 def short_context_logprobs(

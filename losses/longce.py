@@ -11,8 +11,11 @@ needs one batched no-grad pass over the windows of all rows on top of the traini
 `LongCE` is the injected loss of the framework (`loss=longce`, like `loss=ce`): `loss(out, model, batch)` with
 the N scored positions of `out` (padding is never among them). The short contexts come from the task model:
     model.short_context_logprobs(batch, out, K=None, d=None) -> (N,) float log-probs aligned with out.targets,
-    no grad; NaN marks a target without a short context (its weight is 1).
-- CausalLM (plain LM): the sliding window above over each row, K tokens of context, blocks of d.
+    no grad; NaN marks a target without a short context or whose short context is its full context (weight 1).
+- CausalLM (plain LM): the sliding window above over each row, K tokens of context, blocks of d (defaults:
+  K = d = a quarter of the training length). The block kd = K starts its window at the row's first token, so its
+  short context is the full one (LSD = 0): it is not computed, so for K = d the extra no-grad pass runs about
+  2(T - 2K) tokens per row of T instead of 2(T - K).
 - Recurrent models (RMT, RMT-R, Llama-XL): the short context of a target is its own segment alone: the backbone
   run on each segment without memory (RMT: M_0 every segment) / without the KV cache (Llama-XL). K and d are
   ignored; the first segment of a fresh stream then has LSD = 0 (weight 1), like the first K tokens above.
@@ -96,14 +99,18 @@ def longce_loss_for_batch(
 class LongCE(nn.Module):
     """The injected LongCE loss: `loss(out, model, batch) -> scalar`, interchangeable with losses.ce.CrossEntropy.
 
-    gamma: weight cap (the paper: 5). K, d: short context length and block size handed to
-    `model.short_context_logprobs` (CausalLM uses them; recurrent models use their segment instead).
+    gamma: weight cap (the paper: 5), >= 1 so that a token whose short context is its full context (LSD = 0,
+    which the models leave uncomputed as NaN) keeps its weight min(exp(0), gamma) = 1. K, d: short context length
+    and block size handed to `model.short_context_logprobs` (CausalLM uses them, None: its defaults; recurrent
+    models use their segment instead).
     """
 
     def __init__(self, gamma: float = 5.0, K: int | None = None, d: int | None = None):
         super().__init__()
-        if gamma <= 0:
-            raise ValueError(f"gamma must be > 0, got {gamma}")
+        if gamma < 1:
+            raise ValueError(
+                f"LongCE gamma caps the up-weighting of long-context tokens and must be >= 1 (1: plain CE), got {gamma}"
+            )
         self.gamma, self.K, self.d = gamma, K, d
 
     def forward(self, out: ModelOutput, model: nn.Module, batch: dict) -> torch.Tensor:

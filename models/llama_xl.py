@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from models.kv_cache import XLKVCache
 from models.llama import Llama
-from models.outputs import ModelOutput, scored_positions, target_logprobs
+from models.outputs import ModelOutput, head_logprobs, scored_positions
 
 
 class LlamaXL(nn.Module):
@@ -122,7 +122,7 @@ class LlamaXL(nn.Module):
     ) -> Tensor:
         """log P(target) (N,) from each segment alone (no cached keys/values), for LongCE; no grad.
         K and d (the sliding window of CausalLM) do not apply: the segment is the short context."""
-        return target_logprobs(self.backbone.head(self.scored_hidden(batch, cached=False)), out.targets)
+        return head_logprobs(self.backbone.head, self.scored_hidden(batch, cached=False), out.targets)
 
     @torch.no_grad()
     def iter_logits(self, input_ids: Tensor) -> Iterator[Tensor]:

@@ -8,9 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from callbacks.longppl import short_context_windows
-from models.outputs import ModelOutput, scored_positions
-
-LOGITS_PER_FORWARD = 2**24  # short-context pass of LongCE: bounds the (windows, d, V) logits of one forward
+from models.outputs import ModelOutput, head_logprobs, scored_positions
 
 
 class CausalLM(nn.Module):
@@ -53,13 +51,13 @@ class CausalLM(nn.Module):
         Short context: the sliding window of Fang et al. 2024 (App. A.1, Eq. 8) over each row's text (its real
         tokens, then the last one's target): a target at text index j, in block k = j // d, is predicted from
         text[kd - K : j] alone, one forward per window of K + d - 1 tokens, windows of all rows batched.
-        NaN where the target has no short context (kd < K): LongCE gives it weight 1. Needs next-token labels
-        (labels[:, t] == the next real input token) wherever both exist.
+        K defaults to a quarter of the training length (`window`), d to K.
+        NaN where the target has no short context (kd < K) or where it is the full context (kd = K: LSD = 0,
+        not computed): LongCE gives both weight 1. Needs next-token labels (labels[:, t] == the next real input
+        token) wherever both exist.
         """
-        if K is None or d is None:
-            raise ValueError(
-                f"CausalLM needs the short context length K and block d (loss.K, loss.d), got {K}, {d}"
-            )
+        K = self.window // 4 if K is None else K
+        d = K if d is None else d
         ids, labels = batch["input_ids"], batch["labels"]
         mask = batch.get("attention_mask")
         mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
@@ -70,16 +68,13 @@ class CausalLM(nn.Module):
                 "short_context_logprobs needs next-token labels: at every scored position t, input t is real and "
                 "labels[:, t] equals the next real input token (or ends the row)"
             )
-        windows = short_context_windows(text_ids, text_mask, K, d)
+        windows = short_context_windows(text_ids, text_mask, K, d, drop_full_context=True)
 
-        def last_logits(w: Tensor) -> Tensor:  # (b, K+d-1) -> (b, d, V): the vocabulary only where scored
-            return self.backbone.head(self.backbone(input_ids=w)[:, K - 1 :])
+        def last_logprobs(w: Tensor, targets: Tensor) -> Tensor:  # (b, K+d-1), (b, d) -> (b, d)
+            return head_logprobs(self.backbone.head, self.backbone(input_ids=w)[:, K - 1 :], targets)
 
-        # windows per forward: about one batch of tokens, and logits of at most LOGITS_PER_FORWARD elements
-        per_forward = max(
-            1, min(ids.numel() // (K + d - 1), LOGITS_PER_FORWARD // (d * self.backbone.vocab_size))
-        )
-        short, _ = windows.scatter(windows.score(last_logits, per_forward))  # (B, T+1), NaN: no short context
+        per_forward = max(1, ids.numel() // (K + d - 1))  # windows per forward: about one batch of tokens
+        short, _ = windows.scatter(windows.score(last_logprobs, per_forward))  # (B, T+1), NaN: not computed
         return short[:, 1:][scored]
 
     @torch.no_grad()

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from models.llama import padding_position_ids
 from models.memory import MemoryState
-from models.outputs import ModelOutput, scored_positions, target_logprobs
+from models.outputs import ModelOutput, head_logprobs, scored_positions
 
 
 class RMT(nn.Module):
@@ -173,7 +173,7 @@ class RMT(nn.Module):
     ) -> Tensor:
         """log P(target) (N,) from each segment alone (memory reset to M_0 every segment), for LongCE; no grad.
         K and d (the sliding window of CausalLM) do not apply: the segment is the short context."""
-        return target_logprobs(self.backbone.head(self.scored_hidden(batch, recurrent=False)), out.targets)
+        return head_logprobs(self.backbone.head, self.scored_hidden(batch, recurrent=False), out.targets)
 
     @torch.no_grad()
     def iter_logits(self, input_ids: Tensor) -> Iterator[Tensor]:

@@ -15,6 +15,7 @@ from losses.longce import (
     longce_weights,
     sliding_window_short_logprobs,
 )
+from models import outputs
 from models.llama import Llama, LlamaConfig
 from models.llama_xl import build_llama_xl
 from models.rmt import RMT
@@ -205,13 +206,46 @@ def test_longce_ignores_padding_ids_and_labels(lm, lm_batch):
     assert starts[2] > 0 and pad[2, : starts[2]].all()
 
 
-def test_non_next_token_labels_and_missing_window_raise(lm, lm_batch):
+def test_block_whose_window_is_the_full_context_is_skipped_with_the_weights_of_the_definition(lm, lm_batch):
+    batch, texts, _ = lm_batch
+    K = d = 4  # block k = 1 (text indices 4..7): its window starts at the row's first token
+    parts = [brute_force_logprobs(lm.backbone.logits, text, K, d) for text in texts]
+    long, short, has_short = (torch.cat([part[i][1:] for part in parts]) for i in range(3))
+    index = torch.cat([torch.arange(1, len(text)) for text in texts])  # text index of each target
+    got = lm.short_context_logprobs(batch, lm(batch), K=K, d=d)
+    torch.testing.assert_close(long[(index >= K) & (index < 2 * K)], short[(index >= K) & (index < 2 * K)])
+    assert torch.equal(got.isnan(), index < 2 * K) and torch.equal(has_short, index >= K)
+    torch.testing.assert_close(got[index >= 2 * K], short[index >= 2 * K])
+    weights = torch.where(has_short, (long - short).exp().clamp(max=1.5), 1.0)
+    torch.testing.assert_close(LongCE(1.5, K, d)(lm(batch), lm, batch), -(weights * long).mean())
+
+
+def test_head_logprobs_in_chunks_equal_one_log_softmax(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, VOCAB, bias=False)
+    hidden, targets = torch.randn(3, 7, 8, generator=g), torch.randint(0, VOCAB, (3, 7), generator=g)
+    expected = head(hidden).log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+    monkeypatch.setattr(outputs, "HEAD_CHUNK", 4 * VOCAB)  # 21 positions in chunks of 4
+    torch.testing.assert_close(outputs.head_logprobs(head, hidden, targets), expected)
+
+
+def test_short_context_defaults_to_a_quarter_of_the_training_length(lm, lm_batch):
+    batch, _, _ = lm_batch
+    out = lm(batch)
+    K = LM_T // 4
+    assert torch.equal(
+        lm.short_context_logprobs(batch, out).isnan(), lm.short_context_logprobs(batch, out, K=K, d=K).isnan()
+    )
+    torch.testing.assert_close(LongCE()(out, lm, batch), LongCE(5.0, K, K)(out, lm, batch))
+
+
+def test_non_next_token_labels_and_gamma_below_one_raise(lm, lm_batch):
     batch, _, _ = lm_batch
     shifted = {**batch, "labels": batch["labels"].roll(1, dims=1)}
     with pytest.raises(ValueError, match="next-token labels"):
         LongCE(5.0, LM_K, LM_D)(lm(shifted), lm, shifted)
-    with pytest.raises(ValueError, match=r"loss\.K, loss\.d"):
-        LongCE()(lm(batch), lm, batch)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        LongCE(gamma=0.5)
 
 
 def test_train_switches_between_ce_and_longce_by_config(tmp_path):

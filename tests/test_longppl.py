@@ -1,5 +1,6 @@
 """LongPPL: sliding-window short contexts and key tokens vs a brute-force reading of the definition."""
 
+import collections
 import math
 import re
 
@@ -100,18 +101,21 @@ def test_batched_rows_share_forwards_and_match_single_rows(evaluator, tokens, pa
         rows.append(torch.cat([real, pad] if padding_side == "right" else [pad, real]))
         masks.append(torch.arange(T) < length if padding_side == "right" else torch.arange(T) >= T - length)
     input_ids, mask = torch.stack(rows), torch.stack(masks)
-    calls = []
+    calls = collections.Counter()  # window length -> windows run
 
     def counting_logits_fn(ids: torch.Tensor) -> torch.Tensor:
-        calls.append(ids.shape[0])
+        assert len(ids) <= batch_size
+        calls[ids.shape[1]] += len(ids)
         return evaluator(ids)
 
     short, has_short = sliding_window_short_logprobs(counting_logits_fn, input_ids, mask, K, d, batch_size)
 
-    n_windows = sum(-(-(n - first_short_index(K, d)) // d) for n in lengths if n > first_short_index(K, d))
-    assert calls == [batch_size] * (n_windows // batch_size) + [n_windows % batch_size] * (
-        n_windows % batch_size > 0
-    )
+    expected_calls = collections.Counter()  # full windows: K + d - 1 tokens; a partial last block: K + n - 1
+    for n in lengths:
+        if n > (start := first_short_index(K, d)):
+            expected_calls[K + d - 1] += (n - start) // d
+            expected_calls[K + (n - start) % d - 1] += (n - start) % d > 0
+    assert calls == +expected_calls and len(calls) > 1
     for row, length in enumerate(lengths):
         expected = short_context_logprobs(evaluator, tokens[-length:], K, d)
         expected_has = torch.arange(length) >= first_short_index(K, d)
