@@ -37,11 +37,30 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
         ) from e
 
 
+class LastAndBestCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint whose last.ckpt is the newest state: written at every validation and at the end of training.
+    (Lightning >= 2.5 rewrites last.ckpt only at steps where a best-by-monitor checkpoint was saved, so a run whose
+    metric stopped improving would resume from its best step, not from where it stopped.)"""
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        super().on_validation_end(trainer, pl_module)
+        self._save_last_if_new(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._save_last_if_new(trainer)
+
+    def _save_last_if_new(self, trainer) -> None:
+        if not self._should_skip_saving_checkpoint(trainer):  # skips a step already saved, sanity checks, ...
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
 def build_checkpoint_callback(
     dirpath: str, monitor: str | None = None, mode: str = "min", every_n_train_steps: int | None = None
 ) -> ModelCheckpoint:
-    """last.ckpt always, plus the best checkpoint by `monitor` (train.py fills in the task's metric)."""
-    return ModelCheckpoint(
+    """last.ckpt: the newest state (every validation and the end of training), plus the best checkpoint by
+    `monitor` (train.py fills in the task's metric)."""
+    return LastAndBestCheckpoint(
         dirpath=dirpath,
         filename="step{step:06d}",
         auto_insert_metric_name=False,

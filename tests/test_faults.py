@@ -122,6 +122,16 @@ def test_crashed_run_resumes_like_an_uninterrupted_one(tmp_path):
     assert_same_state(tmp_path / "a/checkpoints/last.ckpt", tmp_path / "b/checkpoints/last.ckpt")
 
 
+# max_steps 8: training ends at a validation step; 7: between validations
+@pytest.mark.parametrize("max_steps", [8, 7])
+def test_last_checkpoint_is_the_newest_state_even_when_the_metric_stops_improving(tmp_path, max_steps):
+    # monitor a constant learning rate (warm-up done by step 2): only the first validation saves a "best"
+    monitor = ["callbacks.model_checkpoint.monitor=train/lr", "callbacks.model_checkpoint.mode=max"]
+    train(compose_train(tiny_overrides(tmp_path, max_steps, 2, "optim.stable_ratio=1.0", *monitor)))
+    assert [p.name for p in (tmp_path / "checkpoints").glob("step*.ckpt")] == ["step000002.ckpt"]
+    assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == max_steps
+
+
 def test_sigkilled_run_resumes_from_last_checkpoint(tmp_path):
     """A real `kill -9` of `python train.py` after its first checkpoint; the resumed run matches a reference run.
     stable_ratio=1: the learning rate is then independent of max_steps (the killed run had a huge one)."""
