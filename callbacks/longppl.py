@@ -174,12 +174,8 @@ def short_context_windows(
     start, window_len = first_short_index(K, d), K + d - 1
     if drop_full_context and start == K:
         start += d
-    windows, targets, n_targets, rows = (
-        [],
-        [],
-        [],
-        [],
-    )  # per row: (n_blocks, K+d-1), (n_blocks, d), (n_blocks,)
+    # per row: windows (n_blocks, K+d-1), targets (n_blocks, d), real targets per block (n_blocks,), positions
+    windows, targets, n_targets, rows = [], [], [], []
     for row in range(input_ids.shape[0]):
         positions = mask[row].nonzero()[:, 0]  # (n,)
         n = positions.numel()

@@ -70,7 +70,7 @@ class CausalLM(nn.Module):
             )
         windows = short_context_windows(text_ids, text_mask, K, d, drop_full_context=True)
 
-        def last_logprobs(w: Tensor, targets: Tensor) -> Tensor:  # (b, K+d-1), (b, d) -> (b, d)
+        def last_logprobs(w: Tensor, targets: Tensor) -> Tensor:  # (b, K+n-1), (b, n) -> (b, n)
             return head_logprobs(self.backbone.head, self.backbone(input_ids=w)[:, K - 1 :], targets)
 
         per_forward = max(1, ids.numel() // (K + d - 1))  # windows per forward: about one batch of tokens
