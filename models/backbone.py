@@ -77,6 +77,7 @@ def build_llama(
     tie_embeddings: bool = False,
     key_norm: bool = False,
     attn_scale: float | None = None,
+    alibi: bool = False,
     init_std: float = 0.02,
     weights: str | None = None,
 ) -> Llama:
@@ -95,6 +96,7 @@ def build_llama(
             tie_embeddings=tie_embeddings,
             key_norm=key_norm,
             attn_scale=attn_scale,
+            alibi=alibi,
             init_std=init_std,
         )
     )

@@ -31,6 +31,7 @@ class LlamaConfig:
     tie_embeddings: bool = False
     key_norm: bool = False  # L2-normalise keys over the head dimension (Llama-XL)
     attn_scale: float | None = None  # None: 1/sqrt(head_dim)
+    alibi: bool = False  # add ALiBi's per-head linear recency bias (Press et al. 2022) to the RoPE attention
     init_std: float = 0.02
 
     def __post_init__(self):
@@ -81,6 +82,17 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def alibi_bias(q_pos: Tensor, k_pos: Tensor, n_heads: int, mask: Tensor | None) -> Tensor:
+    """Float attention mask (B, H, Tq, Tk): -slope_h * (query position - key position), slopes 2^(-8h/H) for
+    h = 1..H, and -inf where `mask` (bool (B|1, 1, Tq, Tk); None: bottom-right causal) forbids attending."""
+    slopes = 2.0 ** (-8.0 * torch.arange(1, n_heads + 1, device=q_pos.device) / n_heads)  # (H,)
+    distance = (q_pos[:, None, :, None] - k_pos[:, None, None, :]).clamp(min=0)  # (B, 1, Tq, Tk)
+    if mask is None:
+        Tq, Tk = q_pos.shape[1], k_pos.shape[1]
+        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q_pos.device).tril(Tk - Tq)[None, None]
+    return (-slopes[:, None, None] * distance).masked_fill(~mask, float("-inf"))
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -99,14 +111,18 @@ class Attention(nn.Module):
         if cfg.key_norm:
             k = F.normalize(k, dim=-1)
         if cache is None:
+            q_pos = key_pos = positions
             cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         else:
             k, v = cache.update(layer, k, v)  # un-rotated, cached ones first: (B, Hkv, Tk, hd)
             key_pos = torch.arange(k.shape[2], device=x.device).expand(B, -1)
+            q_pos = key_pos[:, -T:]
             cos, sin = rope_cos_sin(key_pos, cfg.head_dim, cfg.rope_theta, q.dtype)
             q, k = apply_rope(q, cos[:, :, -T:], sin[:, :, -T:]), apply_rope(k, cos, sin)
         mask = mask_for(k.shape[2])
+        if cfg.alibi:
+            mask = alibi_bias(q_pos, key_pos, cfg.n_heads, mask).to(q.dtype)
         y = F.scaled_dot_product_attention(
             q,
             k,
@@ -268,6 +284,10 @@ class Llama(nn.Module):
         from transformers import LlamaConfig as HFLlamaConfig
 
         c = self.cfg
+        if c.alibi:
+            raise ValueError(
+                "an ALiBi backbone (alibi=true) has no Hugging Face Llama equivalent to export to"
+            )
         return HFLlamaConfig(
             vocab_size=c.vocab_size,
             hidden_size=c.hidden_size,

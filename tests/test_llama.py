@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
-from models.llama import Llama, LlamaConfig
+from models.llama import Llama, LlamaConfig, apply_rope, rope_cos_sin
 
 
 def tiny_cfg(**kw) -> LlamaConfig:
@@ -54,6 +54,45 @@ def test_left_padding_matches_unpadded():
     torch.testing.assert_close(
         model.logits(padded, attention_mask=mask)[:, 5:], model.logits(ids), atol=1e-5, rtol=1e-5
     )
+
+
+def test_alibi_attention_equals_a_hand_written_softmax_with_the_linear_bias():
+    torch.manual_seed(0)
+    cfg = tiny_cfg(alibi=True)
+    model = Llama(cfg).eval()
+    attn, T = model.layers[0].self_attn, 9
+    x = torch.randn(2, T, cfg.hidden_size)
+    positions = torch.arange(T).expand(2, -1)
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+    q = apply_rope(attn.q_proj(x).view(2, T, cfg.n_heads, -1).transpose(1, 2), cos, sin)
+    k = apply_rope(attn.k_proj(x).view(2, T, cfg.n_kv_heads, -1).transpose(1, 2), cos, sin)
+    v = attn.v_proj(x).view(2, T, cfg.n_kv_heads, -1).transpose(1, 2)
+    k, v = (t.repeat_interleave(cfg.n_heads // cfg.n_kv_heads, dim=1) for t in (k, v))
+    slopes = torch.tensor([2 ** (-8 * h / cfg.n_heads) for h in range(1, cfg.n_heads + 1)])
+    i = torch.arange(T)
+    bias = -slopes[:, None, None] * (i[:, None] - i[None, :]).float()  # (H, T, T)
+    scores = (q @ k.transpose(-1, -2) / cfg.head_dim**0.5 + bias).masked_fill(
+        i[None, :] > i[:, None], -torch.inf
+    )
+    expected = attn.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, T, -1))
+    no_mask = lambda Tk: None  # noqa: E731  (the plain causal case)
+    torch.testing.assert_close(attn(x, positions, no_mask, None, 0), expected)
+
+
+def test_alibi_keeps_left_padding_invariance_and_refuses_hf_export():
+    torch.manual_seed(0)
+    model = Llama(tiny_cfg(alibi=True)).eval()
+    ids = torch.randint(0, 97, (1, 12))
+    padded = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], 1)
+    mask = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.ones(1, 12, dtype=torch.long)], 1)
+    torch.testing.assert_close(
+        model.logits(padded, attention_mask=mask)[:, 5:], model.logits(ids), atol=1e-5, rtol=1e-5
+    )
+    plain = Llama(tiny_cfg()).eval()
+    plain.load_state_dict(model.state_dict())
+    assert not torch.allclose(plain.logits(ids), model.logits(ids))  # the bias changes the model
+    with pytest.raises(ValueError, match="no Hugging Face Llama equivalent"):
+        model.hf_config()
 
 
 def test_inputs_embeds_equal_input_ids():
