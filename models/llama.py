@@ -111,18 +111,16 @@ class Attention(nn.Module):
         if cfg.key_norm:
             k = F.normalize(k, dim=-1)
         if cache is None:
-            q_pos = key_pos = positions
             cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         else:
             k, v = cache.update(layer, k, v)  # un-rotated, cached ones first: (B, Hkv, Tk, hd)
             key_pos = torch.arange(k.shape[2], device=x.device).expand(B, -1)
-            q_pos = key_pos[:, -T:]
             cos, sin = rope_cos_sin(key_pos, cfg.head_dim, cfg.rope_theta, q.dtype)
             q, k = apply_rope(q, cos[:, :, -T:], sin[:, :, -T:]), apply_rope(k, cos, sin)
         mask = mask_for(k.shape[2])
-        if cfg.alibi:
-            mask = alibi_bias(q_pos, key_pos, cfg.n_heads, mask).to(q.dtype)
+        if mask is not None and mask.is_floating_point():
+            mask = mask.to(q.dtype)  # an ALiBi bias meets autocast's dtype
         y = F.scaled_dot_product_attention(
             q,
             k,
@@ -243,7 +241,11 @@ class Llama(nn.Module):
 
         def mask_for(Tk: int) -> Tensor | None:  # the same for every layer; built once per key length
             if Tk not in masks:
-                masks[Tk] = build_attention_mask(attention_mask, T, Tk)
+                mask = build_attention_mask(attention_mask, T, Tk)
+                if self.cfg.alibi:  # key positions as the attention's RoPE sees them
+                    k_pos = position_ids if kv_cache is None else torch.arange(Tk, device=x.device).expand(B, -1)
+                    mask = alibi_bias(k_pos[:, -T:], k_pos, self.cfg.n_heads, mask)
+                masks[Tk] = mask
             return masks[Tk]
 
         for i, layer in enumerate(self.layers):
