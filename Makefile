@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 train: install $(if $(findstring _qa1,$(MAIN_JOB)),$(QA1_INIT))
 	$(BIN)/python train.py $(MAIN_JOB) $(ARGS)
 
-$(QA1_INIT): | install
+$(QA1_INIT): configs/experiment/rmt_qa1.yaml | install  # re-made when the recipe changes
 	$(BIN)/python -m models.pretrain_babi experiment=rmt_r_qa1
 
 test: install

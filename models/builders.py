@@ -66,16 +66,28 @@ def build_backbone(cfg: DictConfig, tokenizer) -> torch.nn.Module:
 MODEL_KEYS_FOR_OTHER_GROUPS = ("backbone", "ordered_data")
 
 
-def load_backbone_init(backbone: torch.nn.Module, path: str) -> None:
-    """Start from backbone weights saved by `python -m models.pretrain_babi` (`backbone_init=<file>`)."""
+def load_backbone_init(backbone: torch.nn.Module, path: str, backbone_cfg: DictConfig | None = None) -> None:
+    """Start from backbone weights saved by `python -m models.pretrain_babi` (`backbone_init=<file>`). With
+    `backbone_cfg` (this run's), the config saved with the weights must agree: options that change no shape
+    (e.g. alibi, rope_theta) would otherwise load silently into a different model."""
     if not Path(path).is_file():
         raise FileNotFoundError(
             f"backbone_init={path} does not exist. Create it once with `python -m models.pretrain_babi <this run's "
             f"overrides>` (e.g. experiment=rmt_r_qa1), or set backbone_init=null for random weights."
         )
-    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if backbone_cfg is not None:
+        was, now = saved["backbone"], OmegaConf.to_container(backbone_cfg, resolve=True)
+        off = (None, False)  # what an option the file predates counts as
+        differ = {k: (was.get(k), v) for k, v in now.items() if (was[k] != v if k in was else v not in off)}
+        if differ:
+            listed = ", ".join(f"{k}: {a} in the file, {b} now" for k, (a, b) in differ.items())
+            raise ValueError(
+                f"backbone_init={path} was trained for another backbone ({listed}); re-create it with "
+                f"`python -m models.pretrain_babi <this run's overrides>`."
+            )
     try:
-        backbone.load_state_dict(state)
+        backbone.load_state_dict(saved["state_dict"])
     except RuntimeError as e:
         raise ValueError(
             f"backbone_init={path} does not fit this backbone; re-create it with this run's backbone= options.\n{e}"
@@ -88,7 +100,7 @@ def build_model(cfg: DictConfig, tokenizer, backbone_init: str | None = None) ->
     model_cfg = {k: v for k, v in cfg.model.items() if k not in MODEL_KEYS_FOR_OTHER_GROUPS}
     backbone = build_backbone(cfg.backbone, tokenizer)
     if backbone_init:
-        load_backbone_init(backbone, backbone_init)
+        load_backbone_init(backbone, backbone_init, cfg.backbone)
     return instantiate(OmegaConf.create(model_cfg), _partial_=True)(backbone=backbone)
 
 

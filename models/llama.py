@@ -243,7 +243,7 @@ class Llama(nn.Module):
             if Tk not in masks:
                 mask = build_attention_mask(attention_mask, T, Tk)
                 if self.cfg.alibi:  # key positions as the attention's RoPE sees them
-                    k_pos = position_ids if kv_cache is None else torch.arange(Tk, device=x.device).expand(B, -1)
+                    k_pos = position_ids if kv_cache is None else torch.arange(Tk, device=x.device)[None]
                     mask = alibi_bias(k_pos[:, -T:], k_pos, self.cfg.n_heads, mask)
                 masks[Tk] = mask
             return masks[Tk]

@@ -71,3 +71,15 @@ def test_backbone_init_loads_the_saved_weights_exactly(tok, tmp_path):
         load_backbone_init(fresh, str(tmp_path / "missing.pt"))
     with pytest.raises(ValueError, match="does not fit"):
         load_backbone_init(build_llama(tok.vocab_size, 64, 2, 2, 2, 64, 256), str(path))
+
+
+def test_backbone_init_refuses_a_file_saved_for_another_config(tok, tmp_path):
+    """Same shapes, other model: alibi / heads of another width would load silently without the config check."""
+    model, path = tiny(tok, seed=1), tmp_path / "tiny_qa1.pt"
+    save_backbone(model, path, OmegaConf.create({"hidden_size": 32, "n_heads": 2}), task="qa1")
+    same, other = ({"hidden_size": 32, "n_heads": n, "alibi": n == 4} for n in (2, 4))
+    load_backbone_init(model, str(path), OmegaConf.create(same))  # alibi=false: what the file predates
+    with pytest.raises(
+        ValueError, match=r"\(n_heads: 2 in the file, 4 now, alibi: None in the file, True now\)"
+    ):
+        load_backbone_init(model, str(path), OmegaConf.create(other))
