@@ -68,10 +68,12 @@ def attention_probs(attn: Attention, x: Tensor, positions: Tensor, mask_for) -> 
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k = k.repeat_interleave(cfg.n_heads // cfg.n_kv_heads, dim=1)
     scores = (q @ k.transpose(-1, -2)) * (cfg.attn_scale or cfg.head_dim**-0.5)  # (B, H, T, T)
-    allowed = mask_for(T)
-    if allowed is None:
-        allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-    return scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    mask = mask_for(T)
+    if mask is None:
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    if mask.is_floating_point():  # an ALiBi bias, -inf where attending is not allowed
+        return (scores + mask).softmax(-1)
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1)
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ V = 61
 MODELS = [RMT, RMTRetrieval]
 
 
-def tiny_backbone(vocab_size: int = V, hidden: int = 32, layers: int = 2) -> Llama:
+def tiny_backbone(vocab_size: int = V, hidden: int = 32, layers: int = 2, alibi: bool = False) -> Llama:
     cfg = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -25,6 +25,7 @@ def tiny_backbone(vocab_size: int = V, hidden: int = 32, layers: int = 2) -> Lla
         n_kv_heads=2,
         ffn_size=2 * hidden,
         max_positions=256,
+        alibi=alibi,
     )
     return Llama(cfg)
 
@@ -248,10 +249,11 @@ def test_wraps_a_hugging_face_backbone():
     )
 
 
-def test_attention_probs_reproduce_the_layer_output():
+@pytest.mark.parametrize("alibi", [False, True])
+def test_attention_probs_reproduce_the_layer_output(alibi):
     """The probabilities re-derived from an attention layer's inputs give back the layer's output."""
     torch.manual_seed(0)
-    bb = tiny_backbone().eval()
+    bb = tiny_backbone(alibi=alibi).eval()
     seen = []
     bb.layers[1].self_attn.register_forward_hook(lambda mod, args, out: seen.append((args, out)))
     ids = torch.randint(0, V, (2, 7))
