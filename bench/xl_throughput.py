@@ -59,8 +59,9 @@ def train_tokens_per_s(model: torch.nn.Module, args) -> float:
         batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "reset": torch.full((B,), step == 0)}
         sync(args.device)
         t0 = time.perf_counter()
-        out = model(batch)
-        F.cross_entropy(out.logits, out.targets).backward()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device.startswith("cuda")):
+            out = model(batch)
+        F.cross_entropy(out.logits.float(), out.targets).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync(args.device)

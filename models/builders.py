@@ -32,9 +32,9 @@ def instantiate(cfg, *args, **kwargs):
         raise
 
 
-def auto_precision() -> str:
-    """bf16-mixed where the device computes bf16 natively (CUDA with bf16, or a CPU with AMX), else fp32."""
-    if torch.cuda.is_available():
+def auto_precision(accelerator: str = "auto") -> str:
+    """bf16-mixed autocast on a CUDA device with bf16 (16-mixed on older ones); fp32 on a CPU."""
+    if (accelerator in ("auto", "gpu") or accelerator.startswith("cuda")) and torch.cuda.is_available():
         return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
     return "32-true"
 
@@ -106,7 +106,7 @@ def build_model(cfg: DictConfig, tokenizer, backbone_init: str | None = None) ->
 
 def set_threads(cfg: DictConfig, n_params: int) -> None:
     """Tiny models run fastest on one thread per process on small CPUs; big ones use every core."""
-    if torch.cuda.is_available():
+    if cfg.trainer.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
         return
     threads = cfg.get("threads") or (1 if n_params < 20_000_000 else os.cpu_count())
     torch.set_num_threads(threads)
@@ -139,6 +139,8 @@ def build_run(cfg: DictConfig) -> Run:
     corpus = instantiate(cfg.corpus)
     datamodule = instantiate(cfg.task, _partial_=True)(tokenizer=tokenizer, corpus=corpus)
     model = build_model(cfg, tokenizer, cfg.get("backbone_init"))
+    if cfg.get("compile"):
+        model.backbone.compile()  # in place: module names, state dict and checkpoints stay as without it
     n_params = sum(p.numel() for p in model.parameters())
     set_threads(cfg, n_params)
     log.info("model: %s, %.2fM parameters", type(model).__name__, n_params / 1e6)

@@ -151,7 +151,7 @@ class LitModule(L.LightningModule):
             lr=self.lr,
             betas=self.betas,
             eps=self.eps,
-            fused=None,
+            fused=None,  # Lightning refuses fused AdamW with gradient clipping under bf16-mixed
         )
         total = (
             self.trainer.max_steps

@@ -162,7 +162,9 @@ def padding_position_ids(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def build_attention_mask(attention_mask: Tensor | None, Tq: int, Tk: int) -> Tensor | None:
+def build_attention_mask(
+    attention_mask: Tensor | None, Tq: int, Tk: int, device: torch.device | None = None
+) -> Tensor | None:
     """Bottom-right causal mask (B|1, 1, Tq, Tk), True = attend, combined with a (B, Tq|Tk) 0/1 padding mask.
 
     Returns None for the plain causal case (SDPA's fused `is_causal` path); a 4-D bool mask is passed through.
@@ -172,7 +174,7 @@ def build_attention_mask(attention_mask: Tensor | None, Tq: int, Tk: int) -> Ten
         return attention_mask.bool()
     if Tq == Tk and (attention_mask is None or bool(attention_mask.all())):
         return None
-    device = attention_mask.device if attention_mask is not None else None
+    device = attention_mask.device if attention_mask is not None else device
     q_idx = torch.arange(Tq, device=device)[:, None] + (Tk - Tq)
     mask = (torch.arange(Tk, device=device)[None, :] <= q_idx)[None, None]  # (1, 1, Tq, Tk)
     if attention_mask is not None:
@@ -241,7 +243,7 @@ class Llama(nn.Module):
 
         def mask_for(Tk: int) -> Tensor | None:  # the same for every layer; built once per key length
             if Tk not in masks:
-                mask = build_attention_mask(attention_mask, T, Tk)
+                mask = build_attention_mask(attention_mask, T, Tk, x.device)
                 if self.cfg.alibi:  # key positions as the attention's RoPE sees them
                     k_pos = position_ids if kv_cache is None else torch.arange(Tk, device=x.device)[None]
                     mask = alibi_bias(k_pos[:, -T:], k_pos, self.cfg.n_heads, mask)

@@ -61,7 +61,9 @@ class RMT(nn.Module):
         with torch.no_grad():
             ids = torch.arange(backbone.vocab_size, device=_device_of(backbone))
             emb = backbone.embed(ids)
-        self.memory = nn.Parameter(torch.randn(num_memory, backbone.hidden_size, dtype=emb.dtype) * emb.std())
+        self.memory = nn.Parameter(
+            torch.randn(num_memory, backbone.hidden_size, dtype=emb.dtype, device=emb.device) * emb.std()
+        )
         # stream mode: the state carried between batches, per train/eval mode
         self._carried: dict[bool, MemoryState] = {}
 

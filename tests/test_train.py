@@ -115,7 +115,8 @@ def test_corrupt_checkpoint_is_explained(tmp_path):
 
 
 def test_ddp_two_cpu_processes(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "WANDB_MODE": "offline"}
     cmd = [
         sys.executable,
         "train.py",
