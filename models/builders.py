@@ -72,8 +72,8 @@ def load_backbone_init(backbone: torch.nn.Module, path: str, backbone_cfg: DictC
     (e.g. alibi, rope_theta) would otherwise load silently into a different model."""
     if not Path(path).is_file():
         raise FileNotFoundError(
-            f"backbone_init={path} does not exist. Create it once with `python -m models.pretrain_babi <this run's "
-            f"overrides>` (e.g. experiment=rmt_r_qa1), or set backbone_init=null for random weights."
+            f"backbone_init={path} does not exist. Give an existing file, backbone_init=warm_start (BABILong "
+            f"tasks: trained once and cached), or backbone_init=null for random weights."
         )
     saved = torch.load(path, map_location="cpu", weights_only=True)
     if backbone_cfg is not None:
@@ -98,6 +98,10 @@ def build_model(cfg: DictConfig, tokenizer, backbone_init: str | None = None) ->
     """Backbone (from `backbone_init` weights when given: train.py's start) wrapped by the task model of
     `cfg.model` (CausalLM, RMT, RMT-R, Llama-XL)."""
     model_cfg = {k: v for k, v in cfg.model.items() if k not in MODEL_KEYS_FOR_OTHER_GROUPS}
+    if backbone_init == "warm_start":
+        from models.pretrain_babi import warm_start  # it builds backbones with this module
+
+        backbone_init = str(warm_start(cfg, tokenizer))
     backbone = build_backbone(cfg.backbone, tokenizer)
     if backbone_init:
         load_backbone_init(backbone, backbone_init, cfg.backbone)

@@ -9,8 +9,11 @@ tokens, over the task's own vocabulary: a copy of the backbone with only the emb
 tokens the task's texts use is trained (a 32k-token vocabulary costs nothing) and written back.
 Every batch draws fresh samples from a large generated pool, so the model learns the rule, not the stories.
 
-    python -m models.pretrain_babi experiment=rmt_r_qa1     # writes the run's backbone_init
-    python train.py experiment=rmt_r_qa1                    # starts from it
+`backbone_init=warm_start` (the default of task=qa* with backbone=tiny_babi) builds the file on first use,
+cached under $MEMLM_CACHE/warm_start by the backbone, tokenizer, task and `warm_start` settings; every later run with
+the same ones loads it. The same file, ahead of time (or to --out FILE):
+
+    python -m models.pretrain_babi model=rmt_r task=qa1
 
 The backbone is built from the same Hydra config as `train.py` with the same overrides, so the weights fit it.
 """
@@ -19,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
+import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable
 from functools import partial
@@ -35,11 +41,13 @@ from torch import Tensor, nn
 
 from data.babi import generate_task
 from data.babilong import EncodedSample, TaskTokens, assemble, check_task, collate
+from data.corpus import default_cache_dir
 from models.builders import build_backbone, instantiate, register_resolvers
 from models.lit_module import exact_match
 from models.llama import Llama
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+log = logging.getLogger(__name__)
 
 
 def facts_only(tasks: TaskTokens, i: int) -> EncodedSample:
@@ -189,42 +197,69 @@ def save_backbone(backbone: nn.Module, path: str | Path, backbone_cfg: DictConfi
     tmp.replace(path)
 
 
+def warm_start_file(cfg: DictConfig) -> Path:
+    """Where the warm start of this run's backbone, tokenizer, task and `warm_start` settings is cached."""
+    task = cfg.task.get("task")
+    if task is None:
+        raise ValueError(
+            "backbone_init=warm_start pretrains the backbone on a BABILong task's stories: use it with "
+            "task=qa1 ... qa20, or set backbone_init=null (random weights) or a file."
+        )
+    identity = {
+        name: OmegaConf.to_container(cfg[name], resolve=True)
+        for name in ("backbone", "tokenizer", "warm_start")
+    }
+    key = hashlib.sha256(json.dumps({**identity, "task": task}, sort_keys=True).encode()).hexdigest()[:16]
+    return default_cache_dir() / "warm_start" / f"{task}-{key}.pt"
+
+
+def warm_start(cfg: DictConfig, tokenizer) -> Path:
+    """The warm-started backbone file of this run (`warm_start_file`): trained on first use, then reused.
+    Concurrent runs (DDP ranks, parallel jobs) wait for the one that trains it. The global RNG is left as it was."""
+    path = warm_start_file(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():
+            return path
+        settings = OmegaConf.to_container(cfg.warm_start, resolve=True)
+        task = cfg.task.task
+        log.info("Warm-starting the backbone on %s stories (once; cached as %s): %s", task, path, settings)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(cfg.get("threads") or 1)  # a tiny backbone: one thread is fastest
+        with torch.random.fork_rng():
+            torch.manual_seed(settings["seed"])
+            backbone = build_backbone(cfg.backbone, tokenizer)
+            t0 = time.perf_counter()
+            acc = pretrain(backbone, tokenizer, task, **settings, log=log.info, progress=True)
+        torch.set_num_threads(threads)
+        save_backbone(backbone, path, cfg.backbone, task=task, facts_only_accuracy=acc)
+        log.info(
+            "Warm start done in %.1f min: facts-only %s exact match %.3f",
+            (time.perf_counter() - t0) / 60,
+            task,
+            acc,
+        )
+    return path
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=9000)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--target-accuracy", type=float, default=0.97, help="stop once reached (facts-only)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="default: the run's backbone_init")
+    p.add_argument("--out", default=None, help="write here instead of the cache")
     p.add_argument("overrides", nargs="*", help="the train.py overrides of the run to warm-start")
     a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     register_resolvers()
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
         cfg = compose("train", overrides=a.overrides)
-    task, out = cfg.task.get("task"), a.out or cfg.get("backbone_init")
-    if task is None or out is None:
-        raise ValueError(
-            "Name a BABILong run and a file: e.g. `python -m models.pretrain_babi experiment=rmt_r_qa1` (the "
-            "experiment sets backbone_init), or add --out FILE."
-        )
-    torch.manual_seed(a.seed)
     torch.set_num_threads(cfg.get("threads") or 1)
     tokenizer = instantiate(cfg.tokenizer)
-    backbone = build_backbone(cfg.backbone, tokenizer)
-    acc = pretrain(
-        backbone,
-        tokenizer,
-        task,
-        a.steps,
-        a.batch_size,
-        a.lr,
-        target_accuracy=a.target_accuracy,
-        seed=a.seed,
-        progress=True,
-    )
-    save_backbone(backbone, out, cfg.backbone, task=task, facts_only_accuracy=acc)
-    print(f"Saved the backbone to {out} (facts-only {task} exact match {acc:.3f})")
+    path = warm_start(cfg, tokenizer)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_bytes(path.read_bytes())
+        path = a.out
+    print(f"Warm-started backbone: {path} (train.py backbone_init={path}, or backbone_init=warm_start)")
 
 
 if __name__ == "__main__":

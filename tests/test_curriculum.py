@@ -196,7 +196,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def build_from_config(tok, task: str, curriculum: str) -> BabilongDataModule:
-    cfg = compose(overrides=[f"+task={task}", f"+curriculum={curriculum}", "+seed=0"])
+    cfg = compose("train", overrides=[f"task={task}", f"curriculum={curriculum}", "backbone=tiny"])
     return instantiate(cfg.task)(tokenizer=tok, corpus=tiny_corpus())
 
 

@@ -7,11 +7,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import models.pretrain_babi as pretrain_babi
 from data.babi import generate_task
 from data.babilong import TaskTokens, collate
 from data.tokenizer import build_tokenizer
 from models.backbone import build_llama
-from models.builders import load_backbone_init
+from models.builders import build_model, load_backbone_init, register_resolvers
 from models.pretrain_babi import (
     TaskVocabulary,
     compact_backbone,
@@ -19,7 +20,9 @@ from models.pretrain_babi import (
     losses,
     pretrain,
     save_backbone,
+    warm_start_file,
 )
+from tests.test_faults import compose_train
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +70,7 @@ def test_backbone_init_loads_the_saved_weights_exactly(tok, tmp_path):
     load_backbone_init(fresh, str(path))
     for (name, a), b in zip(saved.state_dict().items(), fresh.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
-    with pytest.raises(FileNotFoundError, match="python -m models.pretrain_babi"):
+    with pytest.raises(FileNotFoundError, match="does not exist.*backbone_init=warm_start"):
         load_backbone_init(fresh, str(tmp_path / "missing.pt"))
     with pytest.raises(ValueError, match="does not fit"):
         load_backbone_init(build_llama(tok.vocab_size, 64, 2, 2, 2, 64, 256), str(path))
@@ -83,3 +86,56 @@ def test_backbone_init_refuses_a_file_saved_for_another_config(tok, tmp_path):
         ValueError, match=r"\(n_heads: 2 in the file, 4 now, alibi: None in the file, True now\)"
     ):
         load_backbone_init(model, str(path), OmegaConf.create(other))
+
+
+def test_babilong_tasks_default_to_the_tiny_recipe_and_command_line_values_win():
+    register_resolvers()
+    rmt_r, rmt = compose_train(["model=rmt_r", "task=qa1"]), compose_train(["model=rmt", "task=qa3"])
+    for cfg in (rmt_r, rmt):
+        assert (cfg.backbone.n_layers, cfg.backbone.alibi, cfg.backbone_init) == (3, True, "warm_start")
+        assert (cfg.optim.lr, cfg.trainer.max_steps, cfg.task.batch_size) == (1e-3, 6000, 32)
+    assert list(rmt_r.task.schedule) == [0, 2] and list(rmt.task.schedule) == [0, 1, 2]
+    assert list(compose_train(["model=rmt_r", "task=qa1", "curriculum.schedule=[0,2,4]"]).task.schedule) == [
+        0,
+        2,
+        4,
+    ]
+    other = compose_train(["model=rmt_r", "task=qa1", "backbone=tiny"])  # no recipe for another backbone
+    assert (other.backbone_init, other.optim.lr, list(other.task.schedule)) == (
+        None,
+        3e-4,
+        [2, 4, 6, 8, 16, 32],
+    )
+
+
+def test_warm_start_is_trained_once_per_config_cached_and_reused(tmp_path, monkeypatch):
+    """backbone_init=warm_start: the first build trains and caches the backbone (global RNG untouched), the next
+    loads the same weights without training, another backbone config gets its own file."""
+    monkeypatch.setenv("MEMLM_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(pretrain_babi, "pretrain", lambda *a, **k: calls.append(k) or pretrain(*a, **k))
+    register_resolvers()
+    small = ["warm_start.steps=3", "warm_start.n_pool=300", "warm_start.n_val=16", "warm_start.eval_every=3"]
+    cfg = compose_train(["model=rmt_r", "task=qa1", *small])
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    first = build_model(cfg, tok, cfg.backbone_init)
+    after_first = torch.rand(3)
+    torch.manual_seed(0)
+    second = build_model(cfg, tok, cfg.backbone_init)
+    assert len(calls) == 1 and warm_start_file(cfg).is_file()
+    torch.testing.assert_close(torch.rand(3), after_first)  # training it did not move the run's RNG
+    torch.testing.assert_close(first.state_dict(), second.state_dict())
+    torch.manual_seed(0)
+    random = build_model(compose_train(["model=rmt_r", "task=qa1", "backbone_init=null"]), tok)
+    changed = [
+        k
+        for k, v in random.backbone.state_dict().items()
+        if not torch.equal(v, first.backbone.state_dict()[k])
+    ]
+    assert changed  # the warm start trained the backbone
+
+    wider = compose_train(["model=rmt_r", "task=qa1", "backbone.hidden_size=32", *small])
+    assert warm_start_file(wider) != warm_start_file(cfg)
+    with pytest.raises(ValueError, match="task=qa1 ... qa20"):
+        warm_start_file(compose_train(["model=rmt_r", "backbone=tiny_babi", "backbone_init=warm_start"]))
