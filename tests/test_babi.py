@@ -277,10 +277,10 @@ def answer_deduction(facts: list[str], question: str, strict: bool) -> str:
         if m := re.match(r"^(\w+) are afraid of (\w+)\.$", fact):
             fears[SINGULAR[m[1].lower()]] = SINGULAR[m[2]]
         elif m := re.match(r"^(\w+) is an? (\w+)\.$", fact):
-            kind[m[1]] = m[2]
+            kind[m[1].lower()] = m[2]
         else:
             raise AssertionError(f"unreadable fact {fact!r}")
-    (name,) = ask(r"What is (\w+) afraid of\?", question)
+    (name,) = ask(r"What is ([a-z]+) afraid of\?", question)
     need(name in kind and kind[name] in fears, "the kind and what it fears")
     return fears[kind[name]]
 
@@ -458,6 +458,7 @@ QUESTION_SHAPES = {
         r"Who did \w+ give the \w+ to\?",
         r"What did \w+ give to \w+\?",
     ],
+    "qa15": [r"What is [a-z]+ afraid of\?"],  # lower case, as in the released data
     "qa18": [r"Does the .+ fit in the .+\?", r"Is the .+ bigger than the .+\?"],
     "qa20": [r"Where will [a-z]+ go\?", r"Why did [a-z]+ go to the \w+\?", r"Why did [a-z]+ get the \w+\?"],
 }
@@ -470,6 +471,90 @@ def test_every_question_shape_occurs(task, samples):
         next(i for i, shape in enumerate(shapes) if re.fullmatch(shape, s.question)) for s in samples[task]
     )
     assert len(seen) == len(shapes), seen
+
+
+# ----- the original generator's design (facebookarchive/bAbI-tasks, lua/babi/tasks/*.lua) -----
+N_DESIGN = 2000
+
+
+def read_sizes(facts: list[str]) -> list[tuple[str, str]]:
+    """(smaller, bigger) for each qa18 fact, in story order."""
+    out = []
+    for fact in facts:
+        if m := re.match(r"^The (.+) fits inside the (.+)\.$", fact):
+            out.append((m[1], m[2]))
+        else:
+            m = re.match(r"^The (.+) is bigger than the (.+)\.$", fact)
+            out.append((m[2], m[1]))
+    return out
+
+
+def test_size_questions_need_a_chain_of_two_facts_and_sizes_follow_the_original_order():
+    """qa18 (Size.lua, worlds/world_sizes.txt): the chocolate is the smallest, the box of chocolates the next, the
+    containers above them in a random order; the asked pair is stated by no fact but ordered by a chain of two."""
+    rank = {"chocolate": 0, "box of chocolates": 1}  # the containers come after, in any order: 2
+    seen = set()
+    for sample in generate_task("qa18", N_DESIGN, seed=21):
+        relations = read_sizes(sample.facts)
+        seen |= set(relations)
+        for small, big in relations:
+            in_order = rank.get(small, 2) < rank.get(big, 2) or small not in rank and big not in rank
+            assert in_order, f"the {small} is said to be smaller than the {big}"
+        if q := ask(r"Does the (.+) fit in the (.+)\?", sample.question):
+            pair = set(q)
+        else:
+            pair = set(ask(r"Is the (.+) bigger than the (.+)\?", sample.question))
+        assert all(set(r) != pair for r in relations), f"one fact answers {sample.question!r}"
+        first, second = (relations[i] for i in sample.supporting)
+        if first[1] != second[0]:
+            first, second = second, first
+        assert first[1] == second[0] and {first[0], second[1]} == pair, f"no chain of two: {sample}"
+    containers = ["box", "chest", "container", "suitcase"]
+    assert {(a, b) for a in containers for b in containers if a != b} <= seen  # each order occurs
+
+
+def test_positions_are_asked_only_along_an_axis_where_the_shapes_differ():
+    """qa17 (PositionalReasoning.lua): the question's axis is one where the two shapes are not level."""
+    axes = Counter()
+    for sample in generate_task("qa17", N_DESIGN, seed=22):
+        a, side, b = ask(rf"Is the (.+) ({_SIDES}) the (.+)\?", sample.question)
+        offsets = {}
+        for fact in sample.facts:
+            m = re.match(rf"^The (.+) is ({_SIDES}) the (.+)\.$", fact)
+            offsets[m[1], m[3]] = SIDE[m[2]]
+            offsets[m[3], m[1]] = tuple(-x for x in SIDE[m[2]])
+        (middle,) = {x for pair in offsets for x in pair} - {a, b}
+        offset = [p + q for p, q in zip(offsets[a, middle], offsets[middle, b], strict=True)]
+        axis = 0 if SIDE[side][0] else 1
+        assert offset[axis] != 0, f"{sample.question!r}: the two are level along it ({sample.facts})"
+        axes[axis, sample.answer] += 1
+    assert all(abs(n / N_DESIGN - 1 / 4) < 0.05 for n in axes.values()) and len(axes) == 4, axes
+
+
+def test_each_species_has_its_own_colour_and_all_of_its_kin_support_the_answer():
+    """qa16 (Induction.lua): species -> colour is one-to-one in a story; the support is the asked one's species
+    and the species and colour of every other animal of that species."""
+    for sample in generate_task("qa16", N_DESIGN, seed=23):
+        kind = {m[1]: m[2] for f in sample.facts if (m := re.match(r"^(\w+) is a (\w+)\.$", f))}
+        color = {m[1]: m[2] for f in sample.facts if (m := re.match(r"^(\w+) is (\w+)\.$", f))}
+        species_color = {(kind[name], c) for name, c in color.items()}
+        assert len({s for s, _ in species_color}) == len(species_color), species_color  # a function
+        assert len({c for _, c in species_color}) == len(species_color), species_color  # one-to-one
+        (asked,) = ask(r"What color is (\w+)\?", sample.question)
+        kin = [name for name in color if kind[name] == kind[asked]]
+        wanted = {f"{asked} is a {kind[asked]}."}
+        wanted |= {f"{name} is a {kind[name]}." for name in kin}
+        wanted |= {f"{name} is {color[name]}." for name in kin}
+        assert {sample.facts[i] for i in sample.supporting} == wanted
+
+
+def test_route_answers_are_uniform_over_the_twelve_two_step_paths():
+    """qa19 (PathFinding.lua): the route is laid first, two steps that never turn back, so each of the 12 answers
+    has chance 1/12 (straight routes were 40% when the route was picked among a random tree's)."""
+    answers = Counter(s.answer for s in generate_task("qa19", N_DESIGN, seed=24))
+    assert len(answers) == 12 and all(abs(n / N_DESIGN - 1 / 12) < 0.025 for n in answers.values()), answers
+    straight = sum(n for answer, n in answers.items() if answer[0] == answer[2])
+    assert abs(straight / N_DESIGN - 1 / 3) < 0.03
 
 
 def test_same_seed_same_samples_other_seed_other_samples():

@@ -4,6 +4,11 @@ paths, motivations).
 Facts per story follow the original stories: qa4 two facts (BABILong's Table 1), qa15 eight (four rules, four
 memberships), qa16 nine (five memberships, four colours), qa17 two, qa18 2-12 size relations, qa19 five (six
 rooms), qa20 1-12 (up to three facts for each of four people, asked after any of them).
+
+Where the stories leave a choice open, the choices follow the public bAbI generator (facebookarchive/bAbI-tasks,
+lua/babi/tasks/*.lua, a rewrite of the one that made the released data): each species has its own colour (qa16),
+positions are asked along an axis where the shapes differ (qa17), sizes put the chocolate and the box of chocolates
+below the containers and questions need two facts (qa18), and a route is laid before its decoys (qa19).
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ FLIPPED = {
     "to the right of": "to the left of",
     "to the left of": "to the right of",
 }
-CONTAINERS = ("box", "box of chocolates", "chocolate", "chest", "container", "suitcase")  # qa18
+SWEETS = ("chocolate", "box of chocolates")  # qa18: the two smallest things, smallest first
+CONTAINERS = ("box", "chest", "container", "suitcase")  # qa18: bigger than the sweets, in a random order
 MOTIVES = {  # qa20: feeling -> (where one goes, what one gets there)
     "hungry": ("kitchen", "apple"),
     "thirsty": ("kitchen", "milk"),
@@ -79,7 +85,10 @@ def qa4(rng: random.Random) -> Sample:
 
 
 def qa15(rng: random.Random) -> Sample:
-    """Basic deduction: "Sheep are afraid of wolves. Gertrude is a sheep." / "What is Gertrude afraid of?" """
+    """Basic deduction: "Sheep are afraid of wolves. Gertrude is a sheep." / "What is gertrude afraid of?"
+
+    The question writes the name in lower case, as the released bAbI data (and so BABILong) do, and as qa20 does.
+    """
     fears = {kind: rng.choice([k for k in PLURALS if k != kind]) for kind in PLURALS}
     kinds = {name: rng.choice(tuple(PLURALS)) for name in FEARFUL}
     rules = [f"{PLURALS[kind].capitalize()} are afraid of {PLURALS[fears[kind]]}." for kind in PLURALS]
@@ -88,16 +97,17 @@ def qa15(rng: random.Random) -> Sample:
     k = rng.randrange(len(FEARFUL))
     name, kind = FEARFUL[k], kinds[FEARFUL[k]]
     support = sorted((where[len(rules) + k], where[list(PLURALS).index(kind)]))
-    return Sample(facts, f"What is {name} afraid of?", fears[kind], support)
+    return Sample(facts, f"What is {name.lower()} afraid of?", fears[kind], support)
 
 
 def qa16(rng: random.Random) -> Sample:
     """Basic induction: "Lily is a swan. Lily is white. Greg is a swan." / "What color is Greg?"
 
-    All animals of a species share its colour; the asked one's colour is not stated, and at least one other of
-    its species has a stated colour.
+    Each species has its own colour, shared by all its animals; the asked one's colour is not stated, and at least
+    one other of its species has a stated colour. The support is the asked one's species and, for every other
+    animal of that species, its species and colour.
     """
-    color = {kind: rng.choice(COLORS) for kind in SPECIES}
+    color = dict(zip(SPECIES, rng.sample(COLORS, len(SPECIES)), strict=True))
     names = rng.sample(ANIMAL_NAMES, len(ANIMAL_NAMES))
     kind = {name: rng.choice(SPECIES) for name in names}
     asked, witness = names[0], names[1]
@@ -105,7 +115,8 @@ def qa16(rng: random.Random) -> Sample:
     members = [f"{name} is a {kind[name]}." for name in names]
     colors = [f"{name} is {color[kind[name]]}." for name in names[1:]]
     facts, where = _shuffled(rng, members + colors)
-    support = sorted((where[0], where[1], where[len(members)]))
+    kin = [i for i in range(1, len(names)) if kind[names[i]] == kind[asked]]
+    support = sorted([where[0]] + [where[i] for i in kin] + [where[len(members) + i - 1] for i in kin])
     return Sample(facts, f"What color is {asked}?", color[kind[asked]], support)
 
 
@@ -113,7 +124,9 @@ def qa17(rng: random.Random) -> Sample:
     """Positional reasoning: "The red square is below the blue square." / "Is the red square to the left of the
     triangle?" (yes/no).
 
-    Shapes sit on a grid one step from a middle shape; "left of" means further west, "above" further north.
+    Shapes sit on a grid one step from a middle shape; "left of" means further west, "above" further north. The
+    question compares the two outer shapes along an axis where they differ (the original asks only there), so it
+    always needs both facts.
     """
     middle, *outer = rng.sample(SHAPES, 3)
     sides = rng.sample(tuple(SIDES), 2)
@@ -126,61 +139,71 @@ def qa17(rng: random.Random) -> Sample:
     ]
     facts, _ = _shuffled(rng, stated)
     a, b = rng.sample(outer, 2)
-    dx, dy = position[a][0] - position[b][0], position[a][1] - position[b][1]
-    holds = {"above": dy > 0, "below": dy < 0, "to the right of": dx > 0, "to the left of": dx < 0}
+    offset = (position[a][0] - position[b][0], position[a][1] - position[b][1])
+    axis = rng.choice([k for k in (0, 1) if offset[k]])  # never along an axis where the two are level
     answer = rng.choice(("yes", "no"))
-    side = rng.choice([s for s, true in holds.items() if true == (answer == "yes")])
+    side = next(
+        s for s, step in SIDES.items() if step[axis] and (step[axis] * offset[axis] > 0) == (answer == "yes")
+    )
     return Sample(facts, f"Is the {a} {side} the {b}?", answer, [0, 1])
 
 
 def qa18(rng: random.Random) -> Sample:
     """Size reasoning: "The box is bigger than the chocolate." / "Does the chocolate fit in the box?" (yes/no).
 
-    Facts relate random pairs of a hidden size order. The question prefers pairs whose order takes a chain of
-    two or more facts; the support is a shortest such chain.
+    As in the original: the chocolate is the smallest thing and the box of chocolates the next, and the four
+    containers follow in a random order. The story starts as a chain of two facts (small < middle < big, the pair
+    small-big left unstated) and goes on with other relations in a shuffled order; the question asks a pair that no
+    fact states but a chain of exactly two facts orders, which is its support.
     """
-    order = rng.sample(CONTAINERS, len(CONTAINERS))  # smallest first
-    pairs = [(a, b) for i, a in enumerate(order) for b in order[i + 1 :]]
-    bigger: dict[str, list[tuple[str, int]]] = {c: [] for c in CONTAINERS}  # small -> [(big, fact)]
-    facts = []
-    for at, (small, big) in enumerate(rng.sample(pairs, rng.randint(*QA18_FACTS))):
-        if rng.random() < 0.5:
-            facts.append(f"The {small} fits inside the {big}.")
-        else:
-            facts.append(f"The {big} is bigger than the {small}.")
-        bigger[small].append((big, at))
-    chains = {}  # (small, big) -> facts of a shortest chain
-    for start in CONTAINERS:
-        frontier = [(start, [])]
-        while frontier:
-            reached = []
-            for node, chain in frontier:
-                for big, at in bigger[node]:
-                    if (start, big) not in chains:
-                        chains[start, big] = chain + [at]
-                        reached.append((big, chain + [at]))
-            frontier = reached
-    long = [pair for pair, chain in chains.items() if len(chain) > 1]
-    small, big = rng.choice(long or list(chains))
-    a, b = (small, big) if rng.random() < 0.5 else (big, small)
+    order = [*SWEETS, *rng.sample(CONTAINERS, len(CONTAINERS))]  # smallest first
+    small, middle, big = sorted(rng.sample(range(len(order)), 3))
+    chain = [(small, middle), (middle, big)]
+    kept = {*chain, (small, big)}  # the chain is stated already; the pair it orders stays unstated
+    rest = [(i, j) for j in range(len(order)) for i in range(j) if (i, j) not in kept]
+    relations = chain + rng.sample(rest, rng.randint(*QA18_FACTS) - len(chain))  # (smaller, bigger)
+    stated = [
+        f"The {order[i]} fits inside the {order[j]}."
+        if rng.random() < 0.5
+        else f"The {order[j]} is bigger than the {order[i]}."
+        for i, j in relations
+    ]
+    facts, where = _shuffled(rng, stated)
+    told = {pair: where[n] for n, pair in enumerate(relations)}  # (smaller, bigger) -> its fact
+    bigger: dict[int, list[int]] = {i: [] for i in range(len(order))}
+    for i, j in relations:
+        bigger[i].append(j)
+    chains = {  # (i, k) -> the facts of a chain i < j < k, for pairs that no fact states
+        (i, k): (told[i, j], told[j, k])
+        for i in bigger
+        for j in bigger[i]
+        for k in bigger[j]
+        if (i, k) not in told
+    }
+    (i, k), support = rng.choice(list(chains.items()))
+    a, b = (i, k) if rng.random() < 0.5 else (k, i)
     if rng.random() < 0.5:
-        question, answer = f"Does the {a} fit in the {b}?", a == small
+        question, answer = f"Does the {order[a]} fit in the {order[b]}?", a == i
     else:
-        question, answer = f"Is the {a} bigger than the {b}?", a == big
-    return Sample(facts, question, "yes" if answer else "no", sorted(chains[small, big]))
+        question, answer = f"Is the {order[a]} bigger than the {order[b]}?", a == k
+    return Sample(facts, question, "yes" if answer else "no", sorted(support))
 
 
 def qa19(rng: random.Random) -> Sample:
     """Path finding: "The office is east of the hallway." / "How do you go from the kitchen to the garden?"
     answered with the two steps, "n,w".
 
-    Six rooms form a tree on a grid (each room borders only the room it was attached to), so the route between
-    rooms two steps apart is unique.
+    As in the original, the route is laid first (two steps, each in any direction that does not turn back, so all
+    twelve answers are equally likely), then the three other rooms join as decoys. Each room borders only the room
+    it was attached to, so the rooms form a tree and the route is unique.
     """
     rooms = rng.sample(ROOMS, len(ROOMS))
-    position = {rooms[0]: (0, 0)}
-    edges = []  # (room, direction, neighbour): room is direction of neighbour
-    for room in rooms[1:]:
+    first = rng.choice(tuple(DIRECTIONS))
+    second = rng.choice([way for way in DIRECTIONS if way != OPPOSITE[first]])
+    position = {rooms[0]: (0, 0), rooms[1]: DIRECTIONS[first]}
+    position[rooms[2]] = _add(position[rooms[1]], DIRECTIONS[second])
+    edges = [(rooms[1], first, rooms[0]), (rooms[2], second, rooms[1])]  # (room, direction, neighbour)
+    for room in rooms[3:]:
         while True:
             anchor, way = rng.choice(list(position)), rng.choice(tuple(DIRECTIONS))
             cell = _add(position[anchor], DIRECTIONS[way])
@@ -196,18 +219,11 @@ def qa19(rng: random.Random) -> Sample:
         for a, way, b in edges
     ]
     facts, where = _shuffled(rng, stated)
-    steps = {}  # (from, to) -> (direction to walk, fact)
-    for k, (a, way, b) in enumerate(edges):
-        steps[b, a] = (way, where[k])
-        steps[a, b] = (OPPOSITE[way], where[k])
-    routes = [(x, y, z) for (x, y) in steps for (y2, z) in steps if y2 == y and z != x]
-    start, middle, goal = rng.choice(routes)
-    (first, fact1), (second, fact2) = steps[start, middle], steps[middle, goal]
     return Sample(
         facts,
-        f"How do you go from the {start} to the {goal}?",
+        f"How do you go from the {rooms[0]} to the {rooms[2]}?",
         f"{first[0]},{second[0]}",
-        sorted((fact1, fact2)),
+        sorted(where[:2]),
     )
 
 
