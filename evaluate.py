@@ -40,6 +40,7 @@ from data.lm_datamodule import with_specials
 from data.tokenizer import Tokenizer
 from models.builders import build_model, register_resolvers
 from models.lit_module import exact_match
+from models.run_config import checkpoint_config
 from models.streaming import token_logprobs
 
 log = logging.getLogger("evaluate")
@@ -182,15 +183,6 @@ def write_results(out_dir: Path, ckpt: str | None, step: int, metrics: dict[str,
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------------
-def checkpoint_config(checkpoint: dict, path: str | Path) -> DictConfig:
-    if not isinstance(checkpoint.get("config"), dict):
-        raise ValueError(
-            f"{path} holds no training config (checkpoint['config']): it was not written by this framework's "
-            "train.py. Evaluate a pretrained model with backbone=... instead."
-        )
-    return OmegaConf.create(checkpoint["config"])
-
-
 def model_weights(checkpoint: dict, path: str | Path) -> dict[str, torch.Tensor]:
     """The task model's weights: the `model.`-prefixed entries of the Lightning state_dict, prefix removed."""
     state = {
