@@ -5,8 +5,9 @@
     python evaluate.py backbone=smollm2_135m eval=[ppl]     # a pretrained model, no checkpoint
     python evaluate.py export=hf ckpt_path=RUN/checkpoints/last.ckpt
 
-A checkpoint carries its resolved training config (`checkpoint["config"]`): tokenizer and model are rebuilt from it
-with `models.builders.build_model` and its `model.`-prefixed weights loaded. Evaluators are the entries of
+A checkpoint carries its resolved training config (`checkpoint["config"]`; only the `_target_`s of configs/ are
+accepted, models/run_config.py): tokenizer and model are rebuilt from it with `models.builders.build_model` and its
+`model.`-prefixed weights loaded. Evaluators are the entries of
 `configs/eval/` (protocol: `fn(model, tokenizer, corpus, out_dir, **flat_args) -> {metric: float}`, model in eval
 mode; see `ppl` and `babilong` below). Results go to `<ckpt>.eval/<evaluator>/` (JSON, CSV, PNG) and
 `<ckpt>.eval/metrics.json`; each metric is logged as `eval/<metric>` at the checkpoint's global step, to CSV
