@@ -143,7 +143,7 @@ def refuse_used_run_dir(cfg: DictConfig, resume_from: Path | None) -> None:
 
 
 def apply_overrides(saved: DictConfig, composed: DictConfig, overrides: list[str]) -> DictConfig:
-    """The saved config with what each override names taken from `composed` (the command line composed alone):
+    """The saved config with what each override names taken from `composed` (the defaults with the overrides):
     `key=value` a key, `group=option` the group's node, `~key` deletes. Keys new to the configs since the run
     started come from `composed` too. A run_dir given anew moves every path under the saved one."""
     cfg = saved.copy()
