@@ -5,8 +5,9 @@
     python evaluate.py backbone=smollm2_135m eval=[ppl]     # a pretrained model, no checkpoint
     python evaluate.py export=hf ckpt_path=RUN/checkpoints/last.ckpt
 
-A checkpoint carries its resolved training config (`checkpoint["config"]`): tokenizer and model are rebuilt from it
-with `models.builders.build_model` and its `model.`-prefixed weights loaded. Evaluators are the entries of
+A checkpoint carries its resolved training config (`checkpoint["config"]`; only the `_target_`s of configs/ are
+accepted, models/run_config.py): tokenizer and model are rebuilt from it with `models.builders.build_model` and its
+`model.`-prefixed weights loaded. Evaluators are the entries of
 `configs/eval/` (protocol: `fn(model, tokenizer, corpus, out_dir, **flat_args) -> {metric: float}`, model in eval
 mode; see `ppl` and `babilong` below). Results go to `<ckpt>.eval/<evaluator>/` (JSON, CSV, PNG) and
 `<ckpt>.eval/metrics.json`; each metric is logged as `eval/<metric>` at the checkpoint's global step, to CSV
@@ -40,6 +41,7 @@ from data.lm_datamodule import with_specials
 from data.tokenizer import Tokenizer
 from models.builders import build_model, register_resolvers
 from models.lit_module import exact_match
+from models.run_config import checkpoint_config
 from models.streaming import token_logprobs
 
 log = logging.getLogger("evaluate")
@@ -182,15 +184,6 @@ def write_results(out_dir: Path, ckpt: str | None, step: int, metrics: dict[str,
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------------
-def checkpoint_config(checkpoint: dict, path: str | Path) -> DictConfig:
-    if not isinstance(checkpoint.get("config"), dict):
-        raise ValueError(
-            f"{path} holds no training config (checkpoint['config']): it was not written by this framework's "
-            "train.py. Evaluate a pretrained model with backbone=... instead."
-        )
-    return OmegaConf.create(checkpoint["config"])
-
-
 def model_weights(checkpoint: dict, path: str | Path) -> dict[str, torch.Tensor]:
     """The task model's weights: the `model.`-prefixed entries of the Lightning state_dict, prefix removed."""
     state = {

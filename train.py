@@ -6,18 +6,22 @@ import logging
 import os
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from models.builders import build_run, register_resolvers, resolve_ckpt_path
+from models.builders import build_run, register_resolvers
+from models.run_config import prepare_run, save_run_config
 
 log = logging.getLogger("train")
 register_resolvers()
 
 
-def train(cfg: DictConfig) -> dict:
-    """Build everything from the composed config, fit, and return the final metrics."""
+def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
+    """Build everything from the composed config, fit, and return the final metrics. A resume (ckpt_path) takes the
+    checkpoint's saved config with the command line's `overrides` (None: `cfg` is complete; models/run_config.py)."""
+    cfg, ckpt = prepare_run(cfg, overrides)
     run = build_run(cfg)
-    ckpt = resolve_ckpt_path(cfg.ckpt_path, cfg.run_dir)
+    save_run_config(cfg, overrides)
     run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=ckpt)
     if cfg.get("test"):
         run.trainer.test(run.module, datamodule=run.datamodule)
@@ -27,7 +31,7 @@ def train(cfg: DictConfig) -> dict:
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    metrics = train(cfg)
+    metrics = train(cfg, list(HydraConfig.get().overrides.task))
     log.info("final metrics: %s", {k: round(v, 4) for k, v in sorted(metrics.items())})
 
 

@@ -1,16 +1,24 @@
 """Evaluate every new checkpoint of a training run exactly once (`evaluate.py watch=RUN_DIR`, `callbacks=eval_on_save`).
 
-A checkpoint is a `*.ckpt` file in the checkpoint folder; temporary files of the atomic writer (`.<name>.tmp<pid>`,
-hidden) are never read, and a file must have been left alone for `settle_s` seconds. Done-ness is keyed by file
-identity (size + mtime), not by name: `last.ckpt` is replaced at every save and is then a new checkpoint. After each
-evaluation (or skip) a marker `<ckpt>.eval/done.json` records that identity, the checkpoint's global step and a
-`tag` (the evaluator names), so a restarted watcher skips finished work and a new set of evaluators redoes it. Checkpoints of a step already evaluated (`last.ckpt` and `step000006.ckpt`
-saved together hold the same state) are marked `same_as` the first one instead of being evaluated again.
+A checkpoint is a `*.ckpt` file in the checkpoint folder or in its `unevaluated/` subfolder (where training with
+`callbacks.model_checkpoint.keep_unevaluated=true` keeps what it would otherwise replace or delete); temporary files
+of the atomic writer (`.<name>.tmp<pid>`, hidden) are never read, and a file must have been left alone for `settle_s`
+seconds. Done-ness is keyed by file identity (size + mtime), not by name: `last.ckpt` is replaced at every save and is
+then a new checkpoint. After each evaluation (or skip) a marker `<ckpt>.eval/done.json` records that identity, the
+checkpoint's content hash (`state_digest`: weights, model config and step), its run id and global step, and a `tag`
+(the evaluator names), so a restarted watcher skips finished work and a new set of evaluators redoes it. A checkpoint
+whose content was already evaluated (`last.ckpt` and `step000006.ckpt` saved together) is marked `same_as` that one;
+one of another run, or of a second run in the same folder, is its own. A kept file is deleted once done.
+
+Checkpoints record the steps their run saved (`saved_steps`): a step of this run that was never evaluated and whose
+file is gone (replaced or rotated away while the watcher was busy) is reported once as missed.
 A corrupt or truncated file is logged once (per identity) and the watcher goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -18,22 +26,20 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from callbacks.checkpoint import CorruptCheckpointError, load_checkpoint
+import torch
+
+from callbacks.checkpoint import (
+    KEPT_DIR,
+    CorruptCheckpointError,
+    file_identity,
+    load_checkpoint,
+    read_marker,
+    results_dir,
+)
 
 log = logging.getLogger(__name__)
 
 EvaluateFn = Callable[[Path, dict], dict]  # (checkpoint path, loaded checkpoint) -> {metric: value}
-
-
-def results_dir(ckpt: str | Path) -> Path:
-    """Where a checkpoint's evaluation results go: `<ckpt>.eval/` beside it."""
-    ckpt = Path(ckpt)
-    return ckpt.with_name(ckpt.name + ".eval")
-
-
-def file_identity(path: Path) -> dict[str, int]:
-    st = path.stat()
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -44,11 +50,23 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def read_marker(ckpt: Path) -> dict | None:
-    try:
-        return json.loads((results_dir(ckpt) / "done.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+def state_digest(checkpoint: dict) -> str:
+    """Content identity of a checkpoint: a hash of its weights, model config and global step (equal for two files
+    of one saved state, different for another run's checkpoint of the same step)."""
+    config = checkpoint.get("config") or {}
+    h = hashlib.blake2b(digest_size=16)
+    head = {k: config.get(k) for k in ("tokenizer", "backbone", "model")} | {
+        "step": checkpoint.get("global_step")
+    }
+    h.update(json.dumps(head, sort_keys=True, default=str).encode())
+    for name, t in sorted(checkpoint.get("state_dict", {}).items()):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def run_of(checkpoint: dict) -> str | None:
+    return (checkpoint.get("config") or {}).get("run_id")
 
 
 class Watcher:
@@ -64,19 +82,20 @@ class Watcher:
         self.ckpt_dir, self.evaluate_fn, self.settle_s = Path(ckpt_dir), evaluate_fn, settle_s
         self.tag = list(tag or [])
         self.failed: dict[Path, dict] = {}  # path -> identity that failed: not retried until the file changes
-        self.steps_done: dict[int, str] = {}  # global step -> name of the checkpoint evaluated at that step
+        self.contents: dict[str, str] = {}  # state digest -> name of the checkpoint evaluated with it
+        self.steps: set[tuple[str | None, int]] = set()  # (run id, global step) evaluated
+        self.missed: set[tuple[str | None, int]] = set()  # reported once
         for marker in sorted(self.ckpt_dir.glob("*.ckpt.eval/done.json")):
             done = json.loads(marker.read_text())
             if done.get("tag") == self.tag:
-                self.steps_done.setdefault(int(done["global_step"]), marker.parent.name.removesuffix(".eval"))
+                self.contents.setdefault(done.get("content"), marker.parent.name.removesuffix(".eval"))
+                self.steps.add((done.get("run_id"), int(done["global_step"])))
 
     def pending(self) -> list[Path]:
         """Settled checkpoints whose current identity has no marker yet, oldest first."""
-        if not self.ckpt_dir.is_dir():
-            return []
         found = []
         now = time.time()
-        for path in self.ckpt_dir.glob("*.ckpt"):
+        for path in [*self.ckpt_dir.glob("*.ckpt"), *(self.ckpt_dir / KEPT_DIR).glob("*.ckpt")]:
             if path.name.startswith(".") or not path.is_file():
                 continue
             try:
@@ -91,10 +110,15 @@ class Watcher:
                 found.append((ident["mtime_ns"], path))
         return [p for _, p in sorted(found)]
 
-    def mark_done(self, path: Path, ident: dict, step: int, **info) -> None:
-        write_json(
-            results_dir(path) / "done.json", {"identity": ident, "global_step": step, "tag": self.tag, **info}
-        )
+    def mark_done(self, path: Path, ident: dict, checkpoint: dict, content: str, **info) -> None:
+        step, run = int(checkpoint.get("global_step", -1)), run_of(checkpoint)
+        marker = {"identity": ident, "content": content, "run_id": run, "global_step": step, "tag": self.tag}
+        write_json(results_dir(path) / "done.json", marker | info)
+        self.steps.add((run, step))
+        if path.parent.name == KEPT_DIR:  # kept for this watcher only
+            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # the folder goes once empty
+                path.parent.rmdir()
 
     def scan(self) -> list[Path]:
         """Evaluate every pending checkpoint; returns the ones evaluated (not those skipped or failed)."""
@@ -109,10 +133,16 @@ class Watcher:
                 log.error("Skipping checkpoint: %s", e)
                 self.failed[path] = ident
                 continue
-            step = int(checkpoint.get("global_step", -1))
-            if step in self.steps_done:
-                log.info("%s: step %d was already evaluated (%s)", path.name, step, self.steps_done[step])
-                self.mark_done(path, ident, step, same_as=self.steps_done[step])
+            step, content = int(checkpoint.get("global_step", -1)), state_digest(checkpoint)
+            self.report_missed(checkpoint)
+            if content in self.contents:
+                log.info(
+                    "%s: its state (step %d) was already evaluated (%s)",
+                    path.name,
+                    step,
+                    self.contents[content],
+                )
+                self.mark_done(path, ident, checkpoint, content, same_as=self.contents[content])
                 continue
             log.info("Evaluating %s (global step %d)", path, step)
             (results_dir(path) / "done.json").unlink(missing_ok=True)
@@ -122,10 +152,29 @@ class Watcher:
                 log.exception("Evaluating %s failed; the watcher goes on", path)
                 self.failed[path] = ident
                 continue
-            self.mark_done(path, ident, step, metrics=metrics)
-            self.steps_done[step] = path.name
+            self.mark_done(path, ident, checkpoint, content, metrics=metrics)
+            self.contents[content] = path.name
             evaluated.append(path)
         return evaluated
+
+    def report_missed(self, checkpoint: dict) -> None:
+        """Warn once about earlier saves of this checkpoint's run that were never evaluated: their files are gone
+        (pending files are evaluated oldest first, so an earlier save still on disk has been handled)."""
+        run, step = run_of(checkpoint), int(checkpoint.get("global_step", -1))
+        missed = [
+            s
+            for s in checkpoint.get("saved_steps", [])
+            if s < step and (run, s) not in self.steps | self.missed
+        ]
+        if missed:
+            self.missed |= {(run, s) for s in missed}
+            log.warning(
+                "Missed the checkpoints of step(s) %s (run %s): replaced or deleted before they could be evaluated "
+                "(evaluation is slower than saving). Train with callbacks.model_checkpoint.keep_unevaluated=true to "
+                "keep every checkpoint until the watcher has evaluated it.",
+                ", ".join(map(str, missed)),
+                run,
+            )
 
 
 def watch(

@@ -165,23 +165,3 @@ def build_run(cfg: DictConfig) -> Run:
     for lg in loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     return Run(tokenizer, datamodule, module, trainer)
-
-
-def resolve_ckpt_path(ckpt_path: str | None, run_dir: str) -> str | None:
-    """`last` -> run_dir/checkpoints/last.ckpt (resume); a path must exist; None starts fresh."""
-    if ckpt_path is None:
-        return None
-    if ckpt_path == "last":
-        path = Path(run_dir) / "checkpoints" / "last.ckpt"
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"ckpt_path=last but {path} does not exist. Resume with the run's folder: run_dir=<old run dir> "
-                "ckpt_path=last, or give a checkpoint file: ckpt_path=/path/to/file.ckpt"
-            )
-        return str(path)
-    if not Path(ckpt_path).is_file():
-        raise FileNotFoundError(f"Checkpoint not found: {ckpt_path}")
-    from callbacks.checkpoint import load_checkpoint
-
-    load_checkpoint(ckpt_path)  # a corrupt file fails here with a clear message, before training starts
-    return ckpt_path

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from callbacks.checkpoint import DivergedError
 from models.outputs import scored_positions
 
 
@@ -53,13 +54,14 @@ class LitModule(L.LightningModule):
         self.config = config  # the run's resolved config: travels inside every checkpoint
         self._means: dict[str, MeanMetric] = {}  # per evaluation set and metric, reset every evaluation
         self._t_last: float | None = None
-        self._saving_mid_step = False  # True while last-finite.ckpt is written from inside training_step
+        self._loss: Tensor | None = None  # this step's loss, checked with the gradients before the update
+        self._saving_mid_step = False  # True while last-finite.ckpt is written before an optimizer step
 
     # ---- training -------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         out = self.model(batch)
         loss = self.loss(out, self.model, batch)
-        self._stop_if_not_finite(loss)
+        self._loss = loss.detach()
         n_tok = (
             int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
         )
@@ -74,22 +76,42 @@ class LitModule(L.LightningModule):
             self.log("train/tokens_per_s", n_tokens / max(now - self._t_last, 1e-9), prog_bar=True)
         self._t_last = now
 
-    def _stop_if_not_finite(self, loss: Tensor) -> None:
-        """On NaN/inf: save the last good state (weights before this step's update) and stop with a clear error."""
-        bad = self.trainer.strategy.reduce_boolean_decision(not bool(torch.isfinite(loss)), all=False)
-        if not bad:
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Stop before an update with a non-finite loss or gradient norm: the weights and optimizer state are then
+        still the last good ones; they are saved to last-finite.ckpt (a GradScaler skips inf steps by itself)."""
+        loss = self._loss if self._loss is not None else torch.zeros((), device=self.device)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        scaled = getattr(self.trainer.precision_plugin, "scaler", None) is not None
+        norm = (
+            torch.nn.utils.get_total_norm(grads)
+            if grads and not scaled
+            else torch.zeros((), device=loss.device)
+        )
+        loss_finite = torch.isfinite(loss).all()
+        finite = bool(loss_finite & torch.isfinite(norm))  # one device sync per step
+        if not self.trainer.strategy.reduce_boolean_decision(not finite, all=False):
             return
-        path = None
-        if self.trainer.checkpoint_callback is not None and self.trainer.checkpoint_callback.dirpath:
-            path = f"{self.trainer.checkpoint_callback.dirpath}/last-finite.ckpt"
-            self._saving_mid_step = True
-            try:
-                self.trainer.save_checkpoint(path)
-            finally:
-                self._saving_mid_step = False
-        raise FloatingPointError(
-            f"Loss is {loss.item()} at global step {self.global_step}. The last good state was saved to {path}. "
-            "Lower the learning rate (optim.lr), check the data, or resume from it with ckpt_path=<that file>."
+        what = f"Loss is {loss.item()}" if not loss_finite else f"The gradient norm is {norm.item()}"
+        raise DivergedError(f"{what} at global step {self.global_step}. {self._save_last_finite()}")
+
+    def _save_last_finite(self) -> str:
+        ckpt = self.trainer.checkpoint_callback
+        if ckpt is None or not ckpt.dirpath:
+            return "Lower the learning rate (optim.lr) or check the data."
+        path = f"{ckpt.dirpath}/last-finite.ckpt"
+        self._saving_mid_step = True
+        try:
+            self.trainer.save_checkpoint(path)
+        except DivergedError:  # the state before this step holds NaN/inf already: nothing good to save
+            return (
+                f"The state before this step is not finite either, so nothing was saved; the checkpoints in "
+                f"{ckpt.dirpath} are the last good states. Lower the learning rate (optim.lr) and resume from one."
+            )
+        finally:
+            self._saving_mid_step = False
+        return (
+            f"The last good state was saved to {path}. Lower the learning rate (optim.lr), check the data, or resume "
+            "from it with ckpt_path=<that file>."
         )
 
     # ---- validation / test --------------------------------------------------------------------------
@@ -169,9 +191,20 @@ class LitModule(L.LightningModule):
         if self._saving_mid_step:
             unstart_current_batch(checkpoint["loops"]["fit_loop"])
 
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """A resume may change the optimizer settings (optim.*): the configured ones replace the saved ones (torch
+        would restore the saved learning rate, betas, eps and weight decay); the schedule's multiplier stays."""
+        for opt in checkpoint.get("optimizer_states", []):
+            for group, decay in zip(opt["param_groups"], (self.weight_decay, 0.0), strict=False):
+                scale = self.lr / group.get("initial_lr", self.lr)
+                group.update(lr=group["lr"] * scale, initial_lr=self.lr, betas=self.betas, eps=self.eps)
+                group["weight_decay"] = decay
+        for sched in checkpoint.get("lr_schedulers", []):
+            sched["base_lrs"] = [self.lr] * len(sched["base_lrs"])
+
 
 def unstart_current_batch(fit_loop: dict) -> None:
-    """A checkpoint saved inside training_step records its batch as started but not completed, which a resumed
+    """A checkpoint saved before the optimizer step records its batch as started but not completed, which a resumed
     Lightning run counts as one extra batch (validation, checkpoints and logged steps shift by one). Mark the batch
     as never started: the resumed run redoes it and counts exactly like an uninterrupted run."""
     for progress in fit_loop["epoch_loop.batch_progress"].values():

@@ -2,7 +2,9 @@
 loss stops with a clear message after saving the last good state, corrupt checkpoints fail clearly."""
 
 import csv
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,11 +15,20 @@ import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from callbacks.checkpoint import CorruptCheckpointError, load_checkpoint
+from callbacks.checkpoint import (
+    AtomicCheckpointIO,
+    CorruptCheckpointError,
+    DiskFullError,
+    DivergedError,
+    load_checkpoint,
+    non_finite,
+    state_tensors,
+)
 from models.builders import build_run, register_resolvers
+from models.run_config import RunDirInUseError
 from train import train
 
 ROOT = Path(__file__).parents[1]
@@ -112,7 +123,8 @@ def test_crashed_run_resumes_like_an_uninterrupted_one(tmp_path):
         run.trainer.fit(run.module, datamodule=run.datamodule)
     assert load_checkpoint(tmp_path / "b/checkpoints/last.ckpt")["global_step"] == 4
     before = read_metrics(tmp_path / "b", "0")
-    train(compose_train(tiny_overrides(tmp_path / "b", 8, 2, "ckpt_path=last")))
+    resume = [f"run_dir={tmp_path / 'b'}", "ckpt_path=last"]  # the run's saved config, nothing repeated
+    train(compose_train(resume), resume)
     after = read_metrics(tmp_path / "b", "1")  # the resumed run logs to csv/version_1
 
     assert min(step for _, step in after) == 4  # resumed at the checkpoint, not from scratch
@@ -151,7 +163,21 @@ def test_sigkilled_run_resumes_from_last_checkpoint(tmp_path):
     step = load_checkpoint(last)["global_step"]
     assert step > 0 and step % 3 == 0
 
-    train(compose_train(tiny_overrides(killed, step + 3, 3, const_lr, "ckpt_path=last")))
+    # Starting anew in the killed run's folder is refused and leaves its record alone; the README's resume command
+    # (run_dir, ckpt_path=last and only what changes) continues it from its saved config.
+    record = (killed / ".hydra" / "config.yaml").read_bytes()
+    refused = subprocess.run(
+        [sys.executable, "train.py", f"run_dir={killed}"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert refused.returncode != 0 and "holds the checkpoints of another run" in refused.stderr, (
+        refused.stderr
+    )
+    assert (killed / ".hydra" / "config.yaml").read_bytes() == record
+    assert not list((killed / "checkpoints").glob("last-v*.ckpt"))
+    resume = ["train.py", f"run_dir={killed}", "ckpt_path=last", f"trainer.max_steps={step + 3}"]
+    res = subprocess.run([sys.executable, *resume], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert OmegaConf.load(killed / ".hydra" / "config.yaml").backbone.hidden_size == 32  # the run's, not 83M
     train(compose_train(tiny_overrides(tmp_path / "ref", step + 3, 3, const_lr)))
     resumed, reference = read_metrics(killed, "last"), read_metrics(tmp_path / "ref")
     assert {s for _, s in resumed} == {step, step + 1, step + 2}
@@ -195,10 +221,42 @@ def test_nan_loss_stops_with_message_and_saves_last_good_state(tmp_path):
     assert_same_state(tmp_path / "ref/checkpoints/last.ckpt", tmp_path / "checkpoints/last.ckpt")
 
 
-def test_diverging_learning_rate_stops_with_message(tmp_path):
-    with pytest.raises(FloatingPointError, match=r"Loss is (nan|inf|-inf) at global step \d+"):
-        train(compose_train(tiny_overrides(tmp_path, 50, 25, "optim.lr=1e9", "optim.warmup_steps=1")))
-    assert (tmp_path / "checkpoints" / "last-finite.ckpt").is_file()
+def assert_finite(path: Path) -> dict:
+    """Every weight and every optimizer-state tensor of the checkpoint is finite (and there is optimizer state)."""
+    state = load_checkpoint(path)
+    tensors = dict(state_tensors(state))
+    assert any(name.startswith("optimizer_states") for name in tensors), "no optimizer state saved"
+    assert non_finite(state) == [], path
+    return state
+
+
+def test_diverging_learning_rate_leaves_a_finite_last_good_state(tmp_path):
+    """lr=1e6: the update that would write NaN into the weights and the Adam moments is never made."""
+    overrides = tiny_overrides(tmp_path, 50, 2, "optim.lr=1e6")
+    with pytest.raises(DivergedError, match=r"(Loss|The gradient norm) is (nan|inf|-inf) at global step \d+"):
+        train(compose_train(overrides))
+    saved = tmp_path / "checkpoints" / "last-finite.ckpt"
+    step = assert_finite(saved)["global_step"]
+    for path in (tmp_path / "checkpoints").glob("*.ckpt"):  # no checkpoint of the run holds NaN/inf
+        assert_finite(path)
+
+    # The advised resume with the same learning rate diverges again at the same step and saves the same finite state.
+    with pytest.raises(DivergedError, match=f"at global step {step}"):
+        train(compose_train([*overrides, f"ckpt_path={saved}"]))
+    assert assert_finite(saved)["global_step"] == step
+
+
+def test_a_state_with_nan_is_never_written(tmp_path):
+    train(compose_train(tiny_overrides(tmp_path, 2, 2)))
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    before = last.read_bytes()
+    state = load_checkpoint(last)
+    next(iter(state["optimizer_states"][0]["state"].values()))["exp_avg_sq"][0] = float("inf")
+    with pytest.raises(
+        DivergedError, match=r"Not saving .*last.ckpt: the state at global step 2 holds NaN/inf"
+    ):
+        AtomicCheckpointIO().save_checkpoint(state, last)
+    assert last.read_bytes() == before and not list(last.parent.glob(".*tmp*"))
 
 
 def test_corrupt_checkpoint_gives_a_clear_error(tmp_path):
@@ -213,3 +271,86 @@ def test_corrupt_checkpoint_gives_a_clear_error(tmp_path):
         load_checkpoint(bad)
     with pytest.raises(CorruptCheckpointError, match=expected):  # before any training starts
         train(compose_train(tiny_overrides(tmp_path, 4, 2, f"ckpt_path={bad}")))
+
+
+def test_a_new_run_refuses_a_used_run_dir_and_changes_nothing_there(tmp_path):
+    run, other = tmp_path / "run", tmp_path / "other"
+    train(compose_train(tiny_overrides(run, 2, 2)))
+    train(compose_train(tiny_overrides(other, 2, 2, "seed=1")))
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert run / ".hydra" / "config.yaml" in before
+    with pytest.raises(RunDirInUseError, match=rf"A new run cannot use run_dir={run}: .*ckpt_path=last"):
+        train(compose_train(tiny_overrides(run, 4, 2)))
+    with pytest.raises(RunDirInUseError, match=rf"A resume from {other}/checkpoints/last.ckpt cannot use"):
+        train(compose_train(tiny_overrides(run, 4, 2, f"ckpt_path={other}/checkpoints/last.ckpt")))
+    assert {
+        p: p.read_bytes() for p in run.rglob("*") if p.is_file()
+    } == before  # no last-v1.ckpt, no new config
+
+
+def test_resume_takes_the_saved_config_and_only_the_given_overrides(tmp_path, caplog):
+    """The run folder moved meanwhile: its paths move with it. optim.lr and seed change (with a warning) and the new
+    learning rate is the one used; `experiment=` is not re-applied; nothing is written to the old place."""
+    run, moved = tmp_path / "run", tmp_path / "moved"
+    train(compose_train(tiny_overrides(run, 4, 2, "optim.stable_ratio=1.0")))
+    run_id = load_checkpoint(run / "checkpoints" / "last.ckpt")["config"]["run_id"]
+    shutil.move(run, moved)
+    caplog.set_level(logging.WARNING, logger="models.run_config")
+    resume = [
+        f"run_dir={moved}",
+        "ckpt_path=last",
+        "trainer.max_steps=6",
+        "optim.lr=1e-3",
+        "seed=3",
+        "experiment=tiny_lm",
+    ]
+    train(compose_train(resume), resume)
+
+    warnings = "\n".join(r.getMessage() for r in caplog.records)
+    assert "optim.lr: 0.003 -> 0.001; seed: 0 -> 3" in warnings and "backbone" not in warnings
+    assert "experiment=tiny_lm is not applied to a resumed run" in warnings
+    lrs = {step: v for (key, step), v in read_metrics(moved, "last").items() if key == "train/lr"}
+    assert sorted(lrs) == [4, 5] and lrs[4] == pytest.approx(1e-3)
+    assert sorted(p.name for p in (moved / "checkpoints").glob("*.ckpt")) == ["last.ckpt", "step000006.ckpt"]
+    config = load_checkpoint(moved / "checkpoints" / "last.ckpt")["config"]
+    assert config["backbone"]["hidden_size"] == 32 and config["run_id"] == run_id
+    assert config["callbacks"]["model_checkpoint"]["dirpath"] == f"{moved}/checkpoints"
+    assert not run.exists()
+
+
+def test_partial_files_of_dead_writers_and_stale_best_files_are_removed(tmp_path):
+    train(compose_train(tiny_overrides(tmp_path, 4, 2)))
+    ckpts = tmp_path / "checkpoints"
+    done = subprocess.Popen(["true"])
+    done.wait()
+    dead, alive = ckpts / f".last.ckpt.tmp{done.pid}", ckpts / f".last.ckpt.tmp{os.getppid()}"
+    stale = ckpts / "step000003.ckpt"  # the best file of a step a killed run lost
+    for path in (dead, alive, stale):
+        shutil.copy(ckpts / "last.ckpt", path)
+    resume = [f"run_dir={tmp_path}", "ckpt_path=last", "trainer.max_steps=6"]
+    train(compose_train(resume), resume)
+    assert not dead.exists() and alive.exists() and not stale.exists()
+    assert len(list(ckpts.glob("step*.ckpt"))) == 1  # save_top_k=1: one best file
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    train(compose_train(tiny_overrides(tmp_path, 2, 2)))
+    ckpts = tmp_path / "checkpoints"
+    before = {p.name: p.read_bytes() for p in ckpts.glob("*.ckpt")}
+
+    def full_disk_save(obj, f):  # what torch's zip writer does when the disk fills up
+        Path(f).write_bytes(b"PK\x03\x04" + bytes(1000))
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1088 vs 1004")
+
+    monkeypatch.setattr(torch, "save", full_disk_save)
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**30, 2**30 - 2**20, 2**20)
+    )
+    resume = [f"run_dir={tmp_path}", "ckpt_path=last", "trainer.max_steps=4"]
+    with pytest.raises(
+        DiskFullError, match=rf"No space left on {ckpts}: need ~2\d MB for step000004.ckpt, 1 MB free"
+    ):
+        train(compose_train(resume), resume)
+    assert {p.name: p.read_bytes() for p in ckpts.glob("*.ckpt")} == before  # the previous checkpoints stay
+    assert load_checkpoint(ckpts / "last.ckpt")["global_step"] == 2
+    assert not [p for p in ckpts.iterdir() if ".tmp" in p.name]

@@ -5,6 +5,7 @@ import csv
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,7 +16,8 @@ import torch
 from test_evaluate import compose_eval
 from test_faults import ROOT, compose_train, tiny_overrides
 
-from callbacks.watch import Watcher, results_dir, watch
+from callbacks.checkpoint import AtomicCheckpointIO, CorruptCheckpointError, load_checkpoint
+from callbacks.watch import Watcher, results_dir, state_digest, watch
 from evaluate import CheckpointEvaluator, evaluate
 from models.builders import build_run
 from train import train
@@ -37,9 +39,7 @@ class Counting:
 def test_watcher_evaluates_a_live_run_once_per_checkpoint_and_skips_a_truncated_file(tmp_path, caplog):
     run_dir = tmp_path / "run"
     ckpt_dir = run_dir / "checkpoints"
-    ckpt_dir.mkdir(parents=True)
-    bad = ckpt_dir / "truncated.ckpt"
-    bad.write_bytes(b"PK\x03\x04 not a whole checkpoint")
+    bad = ckpt_dir / "truncated.ckpt"  # dropped in once the run has started (a new run refuses a used folder)
     overrides = tiny_overrides(run_dir, 100, 10, "task.seq_len=64", "task.batch_size=4")
     env = dict(os.environ, WANDB_MODE="offline")
     evaluator = CheckpointEvaluator(compose_eval(FAST_PPL), run_dir)
@@ -54,6 +54,8 @@ def test_watcher_evaluates_a_live_run_once_per_checkpoint_and_skips_a_truncated_
         deadline = time.monotonic() + 150
         while proc.poll() is None and time.monotonic() < deadline:
             live += watcher.scan()
+            if live and not bad.exists():
+                bad.write_bytes(b"PK\x03\x04 not a whole checkpoint")
             time.sleep(0.1)
         proc.wait(timeout=30)
     assert proc.returncode == 0, (tmp_path / "train.out").read_text()[-3000:]
@@ -145,3 +147,90 @@ def test_eval_on_save_evaluates_each_saved_step_in_process(tmp_path):
     from_file = evaluate(compose_eval([f"ckpt_path={last}", *FAST_PPL]))
     assert from_file == pytest.approx(in_process["metrics"], rel=1e-6)
     assert watch(tmp_path / "checkpoints", Counting(), once=True, settle_s=0, tag=["ppl"]) == []  # all done
+
+
+class Recording:
+    """An evaluate_fn that records (file name, global step, content) of each checkpoint it is given."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, path, checkpoint):
+        self.calls.append((path.name, checkpoint["global_step"], state_digest(checkpoint)))
+        return {}
+
+    def steps(self) -> list[int]:
+        return sorted(step for _, step, _ in self.calls)
+
+
+def test_watcher_evaluates_every_checkpoint_of_two_runs_and_never_mixes_them(tmp_path):
+    run, other = tmp_path / "run", tmp_path / "other"
+    train(compose_train(tiny_overrides(run, 4, 2)))
+    train(compose_train(tiny_overrides(other, 4, 2, "seed=1")))
+    ckpts = run / "checkpoints"
+    own = state_digest(load_checkpoint(ckpts / "step000004.ckpt"))
+    # Another run's checkpoint of the same step, copied in (older mtime: the watcher meets it first).
+    shutil.copy2(other / "checkpoints" / "last.ckpt", ckpts / "copied.ckpt")
+    first = Recording()
+    watch(ckpts, first, once=True, settle_s=0, tag=["t"])
+    assert sorted(first.calls) == [
+        ("copied.ckpt", 4, state_digest(load_checkpoint(ckpts / "copied.ckpt"))),
+        ("step000004.ckpt", 4, own),
+    ]
+    marker = json.loads((results_dir(ckpts / "last.ckpt") / "done.json").read_text())
+    assert marker["same_as"] == "step000004.ckpt"  # the same state saved twice is evaluated once
+
+    # A second run in the same folder (the first one's checkpoints deleted, its results kept) is evaluated too.
+    for path in ckpts.glob("*.ckpt"):
+        path.unlink()
+    train(compose_train(tiny_overrides(run, 4, 2, "seed=2")))
+    second = Recording()
+    watch(ckpts, second, once=True, settle_s=0, tag=["t"])
+    assert [(name, step) for name, step, _ in second.calls] == [("step000004.ckpt", 4)]
+    assert second.calls[0][2] != own
+
+
+def test_watcher_reports_missed_checkpoints_and_keep_mode_misses_none(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="callbacks.watch")
+    plain = tmp_path / "plain" / "checkpoints"
+    train(compose_train(tiny_overrides(plain.parent, 6, 2)))  # saves at 2, 4, 6; last.ckpt replaced each time
+    seen = Recording()
+    watch(plain, seen, once=True, settle_s=0)
+    missed = sorted({2, 4, 6} - set(seen.steps()))
+    assert missed, "nothing was replaced or rotated away"
+    (warning,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Missed")]
+    assert f"step(s) {', '.join(map(str, missed))} " in warning and "keep_unevaluated=true" in warning
+
+    caplog.clear()
+    kept = tmp_path / "kept" / "checkpoints"
+    keep = "callbacks.model_checkpoint.keep_unevaluated=true"
+    train(compose_train(tiny_overrides(kept.parent, 6, 2, keep)))
+    queued = sorted(p.name for p in (kept / "unevaluated").glob("*.ckpt"))
+    assert queued == [f"step{s:06d}.ckpt" for s in missed]  # what the plain run lost is waiting here
+    every = Recording()
+    watch(kept, every, once=True, settle_s=0)
+    assert every.steps() == [2, 4, 6] and not caplog.records
+    assert not (kept / "unevaluated").exists()  # deleted once evaluated
+    assert all((results_dir(kept / f"step{s:06d}.ckpt") / "done.json").is_file() for s in missed)
+
+    # Evaluated checkpoints rotate away as usual.
+    resume = [f"run_dir={kept.parent}", "ckpt_path=last", "trainer.max_steps=8"]
+    train(compose_train(resume), resume)
+    assert not (kept / "unevaluated").exists()
+
+
+def test_a_corrupt_last_checkpoint_gives_one_clear_error_everywhere(tmp_path, caplog):
+    train(compose_train(tiny_overrides(tmp_path, 2, 2)))
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    expected = f"Checkpoint {last} is corrupt or truncated and cannot be loaded"
+    resume = [f"run_dir={tmp_path}", "ckpt_path=last"]
+    with pytest.raises(CorruptCheckpointError, match=expected):  # train.py, before building anything
+        train(compose_train(resume), resume)
+    with pytest.raises(CorruptCheckpointError, match=expected):  # Lightning's own loading goes through it too
+        AtomicCheckpointIO().load_checkpoint(last)
+    with pytest.raises(CorruptCheckpointError, match=expected):
+        evaluate(compose_eval([f"ckpt_path={last}", *FAST_PPL]))
+    caplog.set_level(logging.ERROR, logger="callbacks.watch")
+    watch(last.parent, Counting(), once=True, settle_s=0)
+    assert any(r.getMessage().startswith(f"Skipping checkpoint: {expected}") for r in caplog.records)
