@@ -8,6 +8,7 @@ import os
 import hydra
 from omegaconf import DictConfig
 
+from models import cli
 from models.builders import build_run, register_resolvers, resolve_ckpt_path
 
 log = logging.getLogger("train")
@@ -24,12 +25,13 @@ def train(cfg: DictConfig) -> dict:
     return {k: float(v) for k, v in run.trainer.callback_metrics.items()}
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="train")
+@hydra.main(version_base="1.3", config_path=str(cli.CONFIGS), config_name="train")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    metrics = train(cfg)
+    with cli.user_errors(cfg):
+        metrics = train(cfg)
     log.info("final metrics: %s", {k: round(v, 4) for k, v in sorted(metrics.items())})
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, "train")

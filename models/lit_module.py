@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from models.config_checks import check_checkpoint_fits
 from models.outputs import scored_positions
 
 
@@ -164,6 +165,9 @@ class LitModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ---- checkpoints ----------------------------------------------------------------------------------
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        check_checkpoint_fits(checkpoint, self.state_dict(), self.config)
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["config"] = self.config
         if self._saving_mid_step:

@@ -35,7 +35,10 @@ from torch import Tensor, nn
 
 from data.babi import generate_task
 from data.babilong import EncodedSample, TaskTokens, assemble, check_task, collate
+from models import cli
 from models.builders import build_backbone, instantiate, register_resolvers
+from models.config_checks import check_config
+from models.config_errors import ConfigError
 from models.lit_module import exact_match
 from models.llama import Llama
 
@@ -69,7 +72,7 @@ def compact_backbone(backbone: Llama, vocab: TaskVocabulary) -> Llama:
     """A copy of `backbone` with only the vocabulary's rows of its embedding and head (v instead of V tokens).
     With no weight decay, Adam leaves the other rows untouched, so training the copy trains the backbone."""
     if not isinstance(backbone, Llama):
-        raise TypeError(
+        raise ConfigError(
             f"Warm start needs our Llama backbone (backbone=tiny ...), got {type(backbone).__name__}."
         )
     small = Llama(dataclasses.replace(backbone.cfg, vocab_size=len(vocab.ids)))
@@ -132,7 +135,7 @@ def pretrain(
     vocab = TaskVocabulary(pool, tokenizer.pad_id)
     missing = set(np.concatenate([*val.answer, *val.tail]).tolist()) - set(vocab.ids.tolist())
     if missing:
-        raise ValueError(f"Validation tokens {sorted(missing)} never occur in the pool: raise n_pool.")
+        raise ConfigError(f"Validation tokens {sorted(missing)} never occur in the pool: raise n_pool.")
     model = compact_backbone(backbone, vocab)
     val_batches = [
         vocab.compact(collate([facts_only(val, i) for i in range(a, min(a + 128, n_val))], tokenizer.pad_id))
@@ -202,9 +205,10 @@ def main() -> None:
     register_resolvers()
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
         cfg = compose("train", overrides=a.overrides)
+    check_config(cfg)
     task, out = cfg.task.get("task"), a.out or cfg.get("backbone_init")
     if task is None or out is None:
-        raise ValueError(
+        raise ConfigError(
             "Name a BABILong run and a file: e.g. `python -m models.pretrain_babi experiment=rmt_r_qa1` (the "
             "experiment sets backbone_init), or add --out FILE."
         )
@@ -228,4 +232,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, "train")
