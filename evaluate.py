@@ -402,12 +402,23 @@ def evaluate(cfg: DictConfig) -> dict:
     return metrics
 
 
+def results_folder(cfg: DictConfig) -> Path:
+    """Where a mode writes: the training run's folder (checkpoint, watch, export beside the checkpoint), else
+    out_dir (a pretrained model)."""
+    if cfg.watch:
+        return Path(cfg.watch)
+    if cfg.export and cfg.export_dir:
+        return Path(cfg.export_dir)
+    return run_dir_of(cfg.ckpt_path) if cfg.ckpt_path else Path(cfg.out_dir)
+
+
 @hydra.main(version_base="1.3", config_path=str(cli.CONFIGS), config_name="eval")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with cli.user_errors(cfg):
         result = evaluate(cfg)
     log.info("%s", json.dumps(result, indent=2))
+    cli.report_outputs(results_folder(cfg))
 
 
 if __name__ == "__main__":

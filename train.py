@@ -31,6 +31,7 @@ def main(cfg: DictConfig) -> None:
     with cli.user_errors(cfg):
         metrics = train(cfg)
     log.info("final metrics: %s", {k: round(v, 4) for k, v in sorted(metrics.items())})
+    cli.report_outputs(cfg.run_dir)
 
 
 if __name__ == "__main__":

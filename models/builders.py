@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate as hydra_instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from callbacks.checkpoint import AtomicCheckpointIO
@@ -162,6 +164,7 @@ def build_run(cfg: DictConfig) -> Run:
         logger=loggers or False,
         callbacks=callbacks,
         plugins=[AtomicCheckpointIO()],
+        enable_progress_bar=any(isinstance(c, ProgressBar) for c in callbacks),
     )
     for lg in loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))

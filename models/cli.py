@@ -33,6 +33,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
@@ -42,6 +43,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 UNKNOWN_KEY = (ConfigKeyError, ConfigAttributeError)  # what OmegaConf raises for a key the config lacks
 EXPECTED = (UserError, MisconfigurationException)
 STARTED = time.time()  # files older than this were not written by this process
+log = logging.getLogger("memlm")
 
 
 def run(main: Callable[[], None], config_name: str) -> None:
@@ -59,6 +61,15 @@ def run(main: Callable[[], None], config_name: str) -> None:
         if os.environ["MEMLM_DEBUG"] == "1":
             raise
         raise SystemExit(f"Error: {describe(e, config_name, overrides(sys.argv[1:]))}") from None
+    finally:
+        finish_wandb()
+
+
+def finish_wandb() -> None:
+    """Close a W&B run still open now, not at interpreter exit (where W&B writes colour codes into log files)."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and wandb.run is not None:
+        wandb.finish()
 
 
 @contextmanager
@@ -93,8 +104,41 @@ def remove_if_unused(folder: Path) -> None:
         p.suffix == ".log" or p.name == "hparams.yaml" or p.relative_to(folder).parts[0] == ".hydra"
         for p in files
     )
-    if startup and all(p.stat().st_mtime >= STARTED - 1 for p in files):
+    if startup and all(fresh(p) for p in files):
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@rank_zero_only
+def report_outputs(folder: str | Path) -> None:
+    """Log what this process wrote under `folder`: checkpoints, metrics CSVs, plots and JSON, the W&B run folder
+    (with its `wandb sync` command when offline), the config and log; a folder of many files as its count."""
+    folder = Path(folder).resolve()
+    files = [p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".") and fresh(p)]
+    groups: dict[str, list[str]] = {}
+    wandb_runs = set()
+    for p in sorted(files):
+        parts = p.relative_to(folder).parts
+        if parts[0] == "wandb":
+            if len(parts) > 2 and "run-" in parts[1]:
+                wandb_runs.add(parts[1])
+            continue
+        groups.setdefault(str(Path(*parts[:-1])), []).append(parts[-1])
+    lines = []
+    for sub, names in sorted(groups.items()):
+        where = "" if sub == "." else f"{sub}/: "
+        if len(names) > 4:
+            names = [f"{len(names)} files ({', '.join(sorted({Path(n).suffix or n for n in names}))})"]
+        lines.append(f"  {where}{', '.join(names)}")
+    for run in sorted(wandb_runs):
+        sync = f": upload with `wandb sync {folder / 'wandb' / run}`" if run.startswith("offline-") else ""
+        lines.append(f"  wandb/{run}{sync}")
+    if lines:
+        log.info("Written under %s:\n%s", folder, "\n".join(lines))
+
+
+def fresh(path: Path) -> bool:
+    """Whether this process wrote the file (its modification time is after the process started)."""
+    return path.stat().st_mtime >= STARTED - 1
 
 
 # ---- messages -------------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ the dense loss falls and only the task's rows change, and `backbone_init` loads 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -10,6 +12,7 @@ from omegaconf import OmegaConf
 from data.babi import generate_task
 from data.babilong import TaskTokens, collate
 from data.tokenizer import build_tokenizer
+from models import pretrain_babi
 from models.backbone import build_llama
 from models.builders import load_backbone_init
 from models.pretrain_babi import (
@@ -83,3 +86,26 @@ def test_backbone_init_refuses_a_file_saved_for_another_config(tok, tmp_path):
         ValueError, match=r"\(n_heads: 2 in the file, 4 now, alibi: None in the file, True now\)"
     ):
         load_backbone_init(model, str(path), OmegaConf.create(other))
+
+
+def test_pretraining_says_what_it_does_and_its_bar_ends_full_when_it_stops_early(tok, monkeypatch):
+    """Was: no word of what runs or how long, and a bar left at "75%" when the target stopped the run."""
+    bars = []
+
+    class Recorded(pretrain_babi.Progress):
+        def stop(self) -> None:
+            bars.extend((t.completed, t.total) for t in self.tasks)
+            super().stop()
+
+    monkeypatch.setattr(pretrain_babi, "Progress", Recorded)
+    lines = []
+    pretrain(tiny(tok), tok, steps=100, n_pool=500, n_val=16, eval_every=5, target_accuracy=0.0,
+             log=lines.append, progress=True)  # fmt: skip
+    assert lines[0].startswith(
+        "Warm start: next-token training of the backbone on qa1 facts-only stories, up to 100"
+    )
+    assert "every 5 steps, stopping once it reaches 0.0" in lines[0]
+    evaluation = json.loads(lines[1])
+    assert evaluation["step"] == 5 and evaluation["eta_min"] >= 0
+    assert lines[2].startswith("Reached facts-only exact match") and lines[2].endswith("at step 5: stopping.")
+    assert bars == [(5, 5)]
