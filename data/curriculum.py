@@ -124,7 +124,8 @@ class StageSampler(Sampler):
 class BabilongDataModule(L.LightningDataModule):
     """BABILong task data: curriculum training batches, validation sets by segment count and length, test grid.
 
-    `callback` (a `CurriculumCallback`, or None for a fixed schedule) is handed to the trainer by `callbacks()`.
+    `callbacks()` hands the trainer `callback` (a `CurriculumCallback`, or None for a fixed schedule) and the heat map
+    of the test grid.
     """
 
     def __init__(
@@ -199,7 +200,10 @@ class BabilongDataModule(L.LightningDataModule):
         self._train: CurriculumBatches | None = None
 
     def callbacks(self) -> list[Callback]:
-        return [self.callback] if self.callback is not None else []
+        """The curriculum (if any) and the heat map of the test grid (`train.py test=true`)."""
+        from callbacks.babilong_eval import BabilongHeatmap
+
+        return [*([self.callback] if self.callback is not None else []), BabilongHeatmap("test")]
 
     @property
     def monitor(self) -> tuple[str, str]:
