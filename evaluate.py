@@ -232,12 +232,17 @@ def autocast_context(precision: str, device: torch.device) -> Callable[[], conte
 
 # ---- loggers --------------------------------------------------------------------------------------------
 def wandb_run_id(run_dir: Path) -> str | None:
-    """Id of the training run's W&B run: RUN_DIR/wandb/latest-run (or the newest run folder) `...-<id>`."""
+    """Id of the training run's W&B run: the `run-<id>.wandb` file of RUN_DIR/wandb/latest-run (or of the newest run
+    folder). Folder names are not parsed: a run continued within the same second gets `...-<id>-1`."""
     folder = Path(run_dir) / "wandb"
-    runs = sorted(folder.glob("*run-*-*"), key=lambda p: p.name.split("run-", 1)[1])
     latest = folder / "latest-run"
-    name = latest.resolve().name if latest.exists() else (runs[-1].name if runs else None)
-    return name.rsplit("-", 1)[-1] if name else None
+    runs = (
+        [latest.resolve()]
+        if latest.exists()
+        else sorted(folder.glob("*run-*"), key=lambda p: p.stat().st_mtime)
+    )
+    files = sorted(runs[-1].glob("run-*.wandb")) if runs else []
+    return files[0].stem.removeprefix("run-") if files else None
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path, train_config: DictConfig | None) -> list[Logger]:

@@ -4,6 +4,7 @@ plots with their step), the BABILong heat map, the config, the checkpoint paths,
 checkpoint's step in the same run."""
 
 import glob
+import os
 from pathlib import Path
 
 import pytest
@@ -80,7 +81,7 @@ def dashboard(tmp_path_factory):
         train(compose_train([*RMT_QA1, f"run_dir={run_dir}"]))
         wandb.finish()
         evaluate(compose_eval([f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", *EVALUATE_BABILONG]))
-    runs = sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb")))
+    runs = sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb")), key=os.path.getmtime)
     assert len(runs) == 2 and len({Path(r).stem for r in runs}) == 1  # evaluate.py continued the training run
     (config, history), (_, eval_history) = (read_offline_run(Path(r)) for r in runs)
     return run_dir, config, history, read_offline_summary(Path(runs[0])), eval_history

@@ -1,6 +1,7 @@
 """A run you can follow: plain progress lines when output goes to a file, where things were written at the end,
 a step-counted bar on a terminal (also after a resume), and none of Lightning's or W&B's noise."""
 
+import logging
 import os
 import re
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from callbacks.progress import progress_line
+from models import cli
 from models.builders import build_run
 from tests.test_faults import compose_train, tiny_overrides
 from train import train
@@ -78,3 +80,24 @@ def test_progress_line_names_step_loss_rate_eta_and_curriculum_stage():
     )
     trainer.datamodule.stage, trainer.datamodule.max_segments = 0, 0
     assert progress_line(trainer, 100, 65.0, 50).endswith("curriculum stage 0: facts only")
+
+
+def test_report_lists_what_this_process_wrote(tmp_path, caplog):
+    """The end of train.py / evaluate.py: checkpoints, CSVs, plots and JSON, the W&B folder with its sync command;
+    files from before this process (an earlier run in the same folder) are not listed."""
+    for name in ["checkpoints/last.ckpt", "checkpoints/last.ckpt.eval/metrics.json", "eval/version_0/metrics.csv",
+                 *[f"forgetting/step{i}.png" for i in range(5)], "wandb/offline-run-1-abc/run-abc.wandb",
+                 "checkpoints/.last.ckpt.tmp123", "old.png"]:  # fmt: skip
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    os.utime(tmp_path / "old.png", (cli.STARTED - 3600, cli.STARTED - 3600))
+    with caplog.at_level(logging.INFO, logger="memlm"):
+        cli.report_outputs(tmp_path)
+    assert caplog.messages == [
+        f"Written under {tmp_path}:\n"
+        "  checkpoints/: last.ckpt\n"
+        "  checkpoints/last.ckpt.eval/: metrics.json\n"
+        "  eval/version_0/: metrics.csv\n"
+        "  forgetting/: 5 files (.png)\n"
+        f"  wandb/offline-run-1-abc: upload with `wandb sync {tmp_path}/wandb/offline-run-1-abc`"
+    ]
