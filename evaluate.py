@@ -39,7 +39,10 @@ from callbacks.watch import results_dir, watch, write_json
 from data.corpus import Corpus, tokenize_corpus
 from data.lm_datamodule import with_specials
 from data.tokenizer import Tokenizer
+from models import cli
 from models.builders import build_model, register_resolvers
+from models.config_checks import check_config
+from models.config_errors import ConfigError, MissingFileError
 from models.lit_module import exact_match
 from models.run_config import checkpoint_config
 from models.streaming import token_logprobs
@@ -65,7 +68,7 @@ def ppl(
     tokens = tokenize_corpus(corpus, tokenizer)[split]
     docs = with_specials(tokens, tokenizer.bos_id, tokenizer.eos_id)[:max_docs]
     if not docs:
-        raise ValueError(
+        raise ConfigError(
             f"The {split!r} split of corpus {corpus.name!r} has no documents; pick another split."
         )
     device = next(model.parameters()).device
@@ -146,7 +149,7 @@ def evaluate_model(
     """Run each evaluator config (`{name: {_target_, **flat_args}}`) into `out_dir/<name>/`, the model in eval mode
     under `context()` (e.g. autocast). Returns metrics `eval/<metric>` and images `eval/<name>/<png stem>`."""
     if not evaluators:
-        raise ValueError("No evaluator selected: give eval=[ppl,babilong,...] (the files of configs/eval/).")
+        raise ConfigError("No evaluator selected: give eval=[ppl,babilong,...] (the files of configs/eval/).")
     metrics, images = {}, {}
     was_training = model.training
     model.eval()
@@ -190,7 +193,7 @@ def model_weights(checkpoint: dict, path: str | Path) -> dict[str, torch.Tensor]
         k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")
     }
     if not state:
-        raise ValueError(f"{path} has no `model.*` weights in its state_dict.")
+        raise ConfigError(f"{path} has no `model.*` weights in its state_dict.")
     return state
 
 
@@ -222,12 +225,17 @@ def autocast_context(precision: str, device: torch.device) -> Callable[[], conte
 
 # ---- loggers --------------------------------------------------------------------------------------------
 def wandb_run_id(run_dir: Path) -> str | None:
-    """Id of the training run's W&B run: RUN_DIR/wandb/latest-run (or the newest run folder) `...-<id>`."""
+    """Id of the training run's W&B run: the `run-<id>.wandb` file of RUN_DIR/wandb/latest-run (or of the newest run
+    folder). Folder names are not parsed: a run continued within the same second gets `...-<id>-1`."""
     folder = Path(run_dir) / "wandb"
-    runs = sorted(folder.glob("*run-*-*"), key=lambda p: p.name.split("run-", 1)[1])
     latest = folder / "latest-run"
-    name = latest.resolve().name if latest.exists() else (runs[-1].name if runs else None)
-    return name.rsplit("-", 1)[-1] if name else None
+    runs = (
+        [latest.resolve()]
+        if latest.exists()
+        else sorted(folder.glob("*run-*"), key=lambda p: p.stat().st_mtime)
+    )
+    files = sorted(runs[-1].glob("run-*.wandb")) if runs else []
+    return files[0].stem.removeprefix("run-") if files else None
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path, train_config: DictConfig | None) -> list[Logger]:
@@ -304,12 +312,12 @@ def export_hf(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path) -> Pa
 
     backbone = getattr(model, "backbone", model)
     if not hasattr(backbone, "to_hf_state_dict"):
-        raise ValueError(
+        raise ConfigError(
             f"export=hf needs our Llama backbone (backbone=tiny|llama_83m|smollm2_135m), got "
             f"{type(backbone).__name__}; a Hugging Face backbone is already a Hugging Face model."
         )
     if backbone.cfg.key_norm or backbone.cfg.attn_scale is not None:
-        raise ValueError(
+        raise ConfigError(
             "This backbone uses L2-normalised keys / a custom attention scale (Llama-XL), which "
             "LlamaForCausalLM cannot express; only plain Llama backbones export to Hugging Face."
         )
@@ -337,7 +345,7 @@ def export_hf(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path) -> Pa
 def check_pretrained(cfg: DictConfig) -> None:
     backbone = cfg.get("backbone")
     if backbone is None or (backbone._target_.endswith("build_llama") and not backbone.get("weights")):
-        raise ValueError(
+        raise ConfigError(
             "Nothing to evaluate: give ckpt_path=/path/to/x.ckpt (or watch=RUN_DIR), or a pretrained backbone: "
             "backbone=smollm2_135m, backbone=hf backbone.name=<hub id or folder>, or backbone.weights=<HF Llama>."
         )
@@ -345,12 +353,13 @@ def check_pretrained(cfg: DictConfig) -> None:
 
 def evaluate(cfg: DictConfig) -> dict:
     """Run the mode the config selects; returns the metrics (watch: {'evaluated': [paths]}, export: its folder)."""
+    check_config(cfg, groups=("tokenizer", "backbone", "model", "corpus", "eval"))  # what it may build
     if cfg.watch:
         if cfg.ckpt_path or cfg.export:
-            raise ValueError("watch=RUN_DIR evaluates the run's checkpoints: drop ckpt_path/export.")
+            raise ConfigError("watch=RUN_DIR evaluates the run's checkpoints: drop ckpt_path/export.")
         run_dir = Path(cfg.watch)
         if not run_dir.is_dir():
-            raise FileNotFoundError(f"watch={run_dir}: no such run folder (give the training run_dir).")
+            raise MissingFileError(f"watch={run_dir}: no such run folder (give the training run_dir).")
         evaluator = CheckpointEvaluator(cfg, run_dir)
         try:
             done = watch(run_dir / "checkpoints", evaluator, tag=sorted(cfg.eval), **cfg.watcher)
@@ -359,9 +368,9 @@ def evaluate(cfg: DictConfig) -> dict:
         return {"evaluated": [str(p) for p in done]}
     if cfg.export:
         if cfg.export != "hf":
-            raise ValueError(f"Unknown export={cfg.export!r}; valid: hf")
+            raise ConfigError(f"Unknown export={cfg.export!r}; valid: hf")
         if not cfg.ckpt_path:
-            raise ValueError("export=hf needs ckpt_path=/path/to/x.ckpt")
+            raise ConfigError("export=hf needs ckpt_path=/path/to/x.ckpt")
         model, tokenizer, _ = build_from_checkpoint(load_checkpoint(cfg.ckpt_path), cfg.ckpt_path)
         out = export_hf(model, tokenizer, cfg.export_dir or f"{cfg.ckpt_path}.hf")
         log.info("Exported to %s", out)
@@ -391,12 +400,24 @@ def evaluate(cfg: DictConfig) -> dict:
     return metrics
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="eval")
+def results_folder(cfg: DictConfig) -> Path:
+    """Where a mode writes: the training run's folder (checkpoint, watch, export beside the checkpoint), else
+    out_dir (a pretrained model)."""
+    if cfg.watch:
+        return Path(cfg.watch)
+    if cfg.export and cfg.export_dir:
+        return Path(cfg.export_dir)
+    return run_dir_of(cfg.ckpt_path) if cfg.ckpt_path else Path(cfg.out_dir)
+
+
+@hydra.main(version_base="1.3", config_path=str(cli.CONFIGS), config_name="eval")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    result = evaluate(cfg)
+    with cli.user_errors(cfg):
+        result = evaluate(cfg)
     log.info("%s", json.dumps(result, indent=2))
+    cli.report_outputs(results_folder(cfg))
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, "eval")

@@ -9,6 +9,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from models import cli
 from models.builders import build_run, register_resolvers
 from models.run_config import prepare_run, save_run_config
 
@@ -28,12 +29,14 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     return {k: float(v) for k, v in run.trainer.callback_metrics.items()}
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="train")
+@hydra.main(version_base="1.3", config_path=str(cli.CONFIGS), config_name="train")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    metrics = train(cfg, list(HydraConfig.get().overrides.task))
+    with cli.user_errors(cfg):
+        metrics = train(cfg, list(HydraConfig.get().overrides.task))
     log.info("final metrics: %s", {k: round(v, 4) for k, v in sorted(metrics.items())})
+    cli.report_outputs(cfg.run_dir)
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, "train")

@@ -36,8 +36,8 @@ KEPT_DIR = "unevaluated"  # keep_unevaluated=true: checkpoints waiting for the w
 TEMPORARY = re.compile(r"^\..+\.tmp(\d+)$")  # `.<name>.tmp<pid>`: a write in progress (or a killed writer's)
 
 
-class CorruptCheckpointError(UserError):
-    pass
+class CorruptCheckpointError(UserError, RuntimeError):
+    """A checkpoint file that cannot be read (truncated, corrupt, not a checkpoint)."""
 
 
 class MissingCheckpointError(UserError, FileNotFoundError):
@@ -61,7 +61,9 @@ def load_checkpoint(path: str | Path, map_location="cpu", mmap: bool = False) ->
     file (`mmap`: tensors are read lazily, e.g. to read only the step)."""
     path = Path(path)
     if not path.is_file():
-        raise MissingCheckpointError(f"Checkpoint not found: {path}")
+        raise MissingCheckpointError(
+            f"Checkpoint not found: {path}. Give an existing .ckpt file, e.g. RUN_DIR/checkpoints/last.ckpt."
+        )
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:

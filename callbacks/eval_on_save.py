@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from callbacks.watch import Watcher, results_dir
 from evaluate import evaluate_model, log_results, model_weights, write_results
+from models.config_errors import ConfigError
 
 
 class EvalOnSave(L.Callback):
@@ -27,7 +28,7 @@ class EvalOnSave(L.Callback):
         if isinstance(evaluators, DictConfig):
             evaluators = OmegaConf.to_container(evaluators, resolve=True)
         if not evaluators:
-            raise ValueError("callbacks=eval_on_save needs evaluators: eval=[ppl,...] (configs/eval/*.yaml)")
+            raise ConfigError("callbacks=eval_on_save needs evaluators: eval=[ppl,...] (configs/eval/*.yaml)")
         self.evaluators = dict(evaluators)
         self._saved = False
 

@@ -16,6 +16,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
 from torch import nn
 
+from models.config_errors import ConfigError
+
 
 @dataclass
 class EvaluatorReport:
@@ -36,7 +38,7 @@ class EvaluatorCallback(Callback):
 
     def __init__(self, every_n_val: int = 1, out_dir: str | None = None):
         if every_n_val < 1:
-            raise ValueError(f"every_n_val must be >= 1, got {every_n_val}")
+            raise ConfigError(f"every_n_val must be >= 1, got {every_n_val}")
         self.every_n_val, self.out_dir = every_n_val, out_dir
         self.n_val = 0
 
@@ -51,7 +53,7 @@ class EvaluatorCallback(Callback):
             return
         datamodule = trainer.datamodule
         if getattr(datamodule, "tokenizer", None) is None or getattr(datamodule, "corpus", None) is None:
-            raise ValueError(
+            raise ConfigError(
                 f"{type(self).__name__} needs a datamodule with `tokenizer` and `corpus` (the LM task, task=lm); "
                 f"got {type(datamodule).__name__}. Remove the callback for this task."
             )

@@ -46,6 +46,7 @@ from torch import nn
 from callbacks.evaluator_callback import EvaluatorCallback, EvaluatorReport
 from data.corpus import Corpus, tokenize_corpus
 from data.tokenizer import Tokenizer
+from models.config_errors import ConfigError
 from models.streaming import predict_fn
 
 Predictor = Callable[[torch.Tensor], torch.Tensor]  # input_ids (B, T) -> argmax next-token ids (B, T)
@@ -112,12 +113,12 @@ def length_grid(max_len: int, n: int = 32, kind: str = "linear", min_len: int | 
     by default) or log-spaced ("geometric"). min_len defaults to max_len // n (at least 1). Rounding can merge
     neighbours, so fewer than n lengths may come back."""
     if kind not in GRID_KINDS:
-        raise ValueError(f"Unknown grid kind {kind!r}; choose one of {GRID_KINDS}.")
+        raise ConfigError(f"Unknown grid kind {kind!r}; choose one of {GRID_KINDS}.")
     if max_len < 1 or n < 1:
-        raise ValueError(f"length_grid needs max_len >= 1 and n >= 1, got max_len={max_len}, n={n}.")
+        raise ConfigError(f"length_grid needs max_len >= 1 and n >= 1, got max_len={max_len}, n={n}.")
     lo = max(1, max_len // n) if min_len is None else min_len
     if not 1 <= lo <= max_len:
-        raise ValueError(f"min_len must lie in [1, max_len={max_len}], got {lo}.")
+        raise ConfigError(f"min_len must lie in [1, max_len={max_len}], got {lo}.")
     if n == 1:
         return [max_len]
     points = np.linspace(lo, max_len, n) if kind == "linear" else np.geomspace(lo, max_len, n)
@@ -224,13 +225,13 @@ def _scored_accuracy(input_ids: torch.Tensor, predicted: torch.Tensor, length: i
 def _check_lengths(lengths: Sequence[int], docs: _Documents) -> list[int]:
     lengths = [int(n) for n in lengths]
     if not lengths or lengths[0] < 1 or np.any(np.diff(lengths) <= 0):
-        raise ValueError(
+        raise ConfigError(
             f"lengths must be strictly increasing positive ints (see length_grid), got {lengths}."
         )
     for n in lengths:
         if all(lo > hi for lo, hi in docs.target_starts(n)):
             where = "" if docs.bounds is None else ", in different documents,"
-            raise ValueError(
+            raise ConfigError(
                 f"Length {n} needs a target and an irrelevant text of {n} tokens each{where} without overlap, "
                 f"but the stream has {docs.n} tokens; use shorter lengths or a longer held-out stream."
             )
@@ -270,7 +271,7 @@ def forgetting_curve(
     if stream.dim() != 1:
         raise ValueError(f"tokens must be a 1-D token stream, got shape {tuple(stream.shape)}.")
     if n_samples < 1 or (max_batch is not None and max_batch < 1):
-        raise ValueError(f"n_samples and max_batch must be >= 1, got {n_samples} and {max_batch}.")
+        raise ConfigError(f"n_samples and max_batch must be >= 1, got {n_samples} and {max_batch}.")
     docs = _Documents(len(stream), doc_offsets)
     lengths = _check_lengths(lengths, docs)
     stats: dict[str, list[float]] = {c: [] for c in _CURVES}
@@ -356,7 +357,7 @@ def model_forgetting_curve(
     from the tokenized `split` of the corpus (irrelevant texts from other documents than their targets). The
     model runs in eval mode; its mode is restored afterwards."""
     if split not in corpus.splits:
-        raise ValueError(
+        raise ConfigError(
             f"Corpus {corpus.name!r} has no split {split!r}; choose one of {sorted(corpus.splits)}."
         )
     held_out = tokenize_corpus(corpus, tokenizer)[split]

@@ -35,6 +35,7 @@ from callbacks.evaluator_callback import EvaluatorCallback, EvaluatorReport
 from data.corpus import Corpus, default_cache_dir
 from data.tokenizer import HFTokenizer, Tokenizer
 from models import streaming
+from models.config_errors import ConfigError
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 LSE_CHUNK = 2**18  # logits elements per log-sum-exp pass (1 MB in float32: stays in cache)
@@ -53,7 +54,7 @@ class LongPPLResult:
 
 def _check_window(K: int, d: int, batch_size: int) -> None:
     if K < 1 or d < 1 or batch_size < 1:
-        raise ValueError(
+        raise ConfigError(
             f"need K >= 1, d >= 1 and batch_size >= 1, got K={K}, d={d}, batch_size={batch_size}"
         )
 
@@ -365,7 +366,7 @@ def load_evaluator(
 
     if evaluator == "self":
         if model is None or tokenizer is None:
-            raise ValueError('evaluator="self" needs the evaluated model and its tokenizer')
+            raise ConfigError('evaluator="self" needs the evaluated model and its tokenizer')
         return Evaluator(model, tokenizer, None)
     if evaluator == "smollm2":
         from models.smollm2 import build_smollm2, build_smollm2_tokenizer
@@ -453,11 +454,11 @@ def longppl_documents(
     `<cache_dir>/longppl_keys/` keyed by (text, evaluator id, its tokenizer, K, d, alpha, beta), so a repeated
     evaluation costs only the evaluated model's forwards. progress: a bar over the documents."""
     if split not in corpus.splits:
-        raise ValueError(
+        raise ConfigError(
             f"Corpus {corpus.name!r} has no split {split!r}; choose one of {sorted(corpus.splits)}."
         )
     if max_len < 2:
-        raise ValueError(f"max_len must be >= 2 tokens, got {max_len}")
+        raise ConfigError(f"max_len must be >= 2 tokens, got {max_len}")
     same_tokens = evaluator.tokenizer.fingerprint == tokenizer.fingerprint
     cache_root = Path(cache_dir or default_cache_dir()) / "longppl_keys"
     docs = []

@@ -9,17 +9,20 @@ Attention probabilities are re-derived from hooks on the inputs of our Llama's a
 rotary positions and mask exactly as the layer builds them), averaged over heads and layers. Hugging Face backbones
 hide these internals, so with them only the distance map is drawn (`attention_maps` raises a clear error).
 
-Plain functions return matplotlib figures; `MemoryMapsCallback` draws them for a few validation samples, saves
-PNGs under the run folder and logs them to W&B when a W&B logger is attached.
+Plain functions return the heat maps (`Panel`s) and draw them as one matplotlib figure; `MemoryMapsCallback` draws
+them for a few validation samples into one PNG in the run folder and logs it to W&B when a W&B logger is attached.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import torch
 import torch.nn.functional as F
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from torch import Tensor
@@ -42,18 +45,32 @@ def memory_states(model: RMT, input_ids: Tensor, attention_mask: Tensor | None =
     return torch.stack(states).float()
 
 
-def distance_figure(states: Tensor, title: str = "Memory states: pairwise L2 distance") -> Figure:
-    """Heat map (n + 1, n + 1) of distances between flattened memory states (n + 1, m, D)."""
+@dataclass
+class Panel:
+    """One heat map of Figure 10: values (rows, cols) and its labels."""
+
+    values: np.ndarray
+    title: str
+    xlabel: str
+    ylabel: str
+    label: str  # of the colour bar
+    cmap: str
+    integer_ticks: bool = False
+
+
+def distance_panel(states: Tensor) -> Panel:
+    """Distances (n + 1, n + 1) between flattened memory states (n + 1, m, D)."""
     flat = states.flatten(1)
     dist = torch.cdist(flat[None], flat[None])[0].cpu().numpy()
-    fig = Figure(figsize=(5, 4.2), layout="constrained")
-    ax = fig.subplots()
-    im = ax.imshow(dist, cmap="coolwarm_r")
-    ax.set(title=title, xlabel="memory state t", ylabel="memory state t")
-    for axis in (ax.xaxis, ax.yaxis):
-        axis.set_major_locator(MaxNLocator(integer=True))
-    fig.colorbar(im, ax=ax, label="distance (red = similar)")
-    return fig
+    return Panel(
+        dist,
+        "Memory states: L2 distance",
+        "memory state t",
+        "memory state t",
+        "distance (red = similar)",
+        "coolwarm_r",
+        integer_ticks=True,
+    )
 
 
 def attention_probs(attn: Attention, x: Tensor, positions: Tensor, mask_for) -> Tensor:
@@ -100,31 +117,19 @@ def attention_maps(model: RMT, state: MemoryState, input_ids: Tensor, mask: Tens
     return torch.stack(maps).mean(0)
 
 
-def attention_figure(
-    probs: Tensor, rows: slice, cols: slice, title: str, row_label: str, col_label: str
-) -> Figure:
-    """Heat map of a block of attention probabilities (query rows x key columns)."""
-    fig = Figure(figsize=(6, 3.2), layout="constrained")
-    ax = fig.subplots()
-    im = ax.imshow(probs[rows, cols].cpu().numpy(), cmap="Reds", aspect="auto", interpolation="nearest")
-    ax.set(title=title, xlabel=col_label, ylabel=row_label)
-    fig.colorbar(im, ax=ax, label="attention")
-    return fig
-
-
 @torch.no_grad()
-def memory_figures(
+def memory_panels(
     model: RMT, input_ids: Tensor, attention_mask: Tensor | None = None, n_query: int = 16
-) -> dict:
-    """Figure 10 for one sample (T,): {"distance", and with our Llama "write", "read"} matplotlib figures.
+) -> dict[str, Panel]:
+    """Figure 10 for one sample (T,): {"distance", and with our Llama "write", "read"}.
 
     write: the write memory of the segment where memory moved most, over [read memory; tokens].
     read: the last `n_query` tokens of the last segment (question and answer) over the read memory.
     """
     states = memory_states(model, input_ids, attention_mask)
-    figures = {"distance": distance_figure(states)}
+    panels = {"distance": distance_panel(states)}
     if not isinstance(model.backbone, Llama):
-        return figures
+        return panels
     bounds = model.segment_bounds(len(input_ids))
     moves = (states[1:] - states[:-1]).flatten(1).norm(dim=-1)  # (n,) how far each segment moved memory
     ids, mask = input_ids[None], None if attention_mask is None else attention_mask[None]
@@ -133,32 +138,43 @@ def memory_figures(
         for a, b in bounds[:t]:
             _, state = model.run_segment(state, ids[:, a:b], None if mask is None else mask[:, a:b])
         a, b = bounds[t]
-        probs = attention_maps(model, state, ids[:, a:b], None if mask is None else mask[:, a:b])
+        probs = (
+            attention_maps(model, state, ids[:, a:b], None if mask is None else mask[:, a:b]).cpu().numpy()
+        )
         r, L = model.read_memory(state).shape[1], b - a
         if name == "write":
-            figures[name] = attention_figure(
-                probs,
-                slice(r + L, None),
-                slice(0, r + L),
-                f"Writing: segment {t + 1}",
-                "write memory",
-                "read memory | segment tokens",
-            )
+            block, labels = probs[r + L :, : r + L], ("read memory | segment tokens", "write memory")
         else:
-            figures[name] = attention_figure(
-                probs,
-                slice(max(r, r + L - n_query), r + L),
-                slice(0, r),
-                f"Reading: segment {t + 1}",
-                "last tokens",
-                "read memory",
-            )
-    return figures
+            block, labels = probs[max(r, r + L - n_query) : r + L, :r], ("read memory", "last tokens")
+        title = f"{'Writing' if name == 'write' else 'Reading'}: segment {t + 1}"
+        panels[name] = Panel(block, title, *labels, "attention", "Reds")
+    return panels
+
+
+def memory_figure(samples: list[dict[str, Panel]]) -> Figure:
+    """One figure for a validation: a row per sample, its panels side by side."""
+    cols = max(len(panels) for panels in samples)
+    fig = Figure(figsize=(5.2 * cols, 3.8 * len(samples)), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(samples), cols, squeeze=False)
+    for i, panels in enumerate(samples):
+        for ax, panel in zip(axes[i], [*panels.values(), *[None] * cols], strict=False):
+            if panel is None:
+                ax.remove()
+                continue
+            image = ax.imshow(panel.values, cmap=panel.cmap, aspect="auto", interpolation="nearest")
+            ax.set(title=f"sample {i}: {panel.title}", xlabel=panel.xlabel, ylabel=panel.ylabel)
+            if panel.integer_ticks:
+                for axis in (ax.xaxis, ax.yaxis):
+                    axis.set_major_locator(MaxNLocator(integer=True))
+            fig.colorbar(image, ax=ax, label=panel.label)
+    return fig
 
 
 class MemoryMapsCallback(L.Callback):
     """Draws Figure 10 for the first `n_samples` rows of the first batch of validation loader `dataloader_idx`
-    (-1: the last, usually the longest) every `every_n_validations` validations."""
+    (-1: the last, usually the longest) every `every_n_validations` validations: one image, `<run dir>/memory_maps.png`
+    (overwritten: the newest), logged to W&B as `val/memory_maps` at the step (W&B keeps every one)."""
 
     def __init__(self, n_samples: int = 2, dataloader_idx: int = -1, every_n_validations: int = 1):
         self.n_samples, self.dataloader_idx, self.every = n_samples, dataloader_idx, every_n_validations
@@ -181,16 +197,14 @@ class MemoryMapsCallback(L.Callback):
         n_loaders = len(trainer.val_dataloaders) if isinstance(trainer.val_dataloaders, list) else 1
         if dataloader_idx != self.dataloader_idx % n_loaders or self._validations % self.every:
             return
-        folder = Path(trainer.default_root_dir) / "memory_maps"
-        folder.mkdir(parents=True, exist_ok=True)
         mask = batch.get("attention_mask")
-        for i in range(min(self.n_samples, len(batch["input_ids"]))):
-            figs = memory_figures(model, batch["input_ids"][i], None if mask is None else mask[i])
-            for name, fig in figs.items():
-                path = folder / f"step{trainer.global_step}_sample{i}_{name}.png"
-                fig.savefig(path, dpi=110)
-                for logger in trainer.loggers:
-                    if hasattr(logger, "log_image"):
-                        logger.log_image(
-                            key=f"memory/{name}/sample{i}", images=[str(path)], step=trainer.global_step
-                        )
+        rows = range(min(self.n_samples, len(batch["input_ids"])))
+        samples = [
+            memory_panels(model, batch["input_ids"][i], None if mask is None else mask[i]) for i in rows
+        ]
+        path = Path(trainer.default_root_dir) / "memory_maps.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        memory_figure(samples).savefig(path, dpi=100)
+        for logger in trainer.loggers:
+            if hasattr(logger, "log_image"):
+                logger.log_image(key="val/memory_maps", images=[str(path)], step=trainer.global_step)

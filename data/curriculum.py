@@ -49,6 +49,7 @@ from data.babilong import (
 from data.corpus import Corpus
 from data.sentences import SentenceStore, tokenize_sentences
 from data.tokenizer import Tokenizer
+from models.config_errors import ConfigError
 
 RMT_SCHEDULE = (1, 2, 4, 6, 8, 16, 32)
 DEFAULT_TEST_LENGTHS = (0, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -123,7 +124,8 @@ class StageSampler(Sampler):
 class BabilongDataModule(L.LightningDataModule):
     """BABILong task data: curriculum training batches, validation sets by segment count and length, test grid.
 
-    `callback` (a `CurriculumCallback`, or None for a fixed schedule) is handed to the trainer by `callbacks()`.
+    `callbacks()` hands the trainer `callback` (a `CurriculumCallback`, or None for a fixed schedule) and the heat map
+    of the test grid.
     """
 
     def __init__(
@@ -155,30 +157,30 @@ class BabilongDataModule(L.LightningDataModule):
         self.task = check_task(task)
         self.schedule = tuple(int(n) for n in schedule)
         if not self.schedule or self.schedule[0] < 0 or list(self.schedule) != sorted(set(self.schedule)):
-            raise ValueError(
+            raise ConfigError(
                 f"schedule {list(self.schedule)} must be increasing segment counts >= 1, e.g. [1, 2, 4], "
                 "optionally after 0 (facts only, no background): [0, 1, 2]"
             )
         if not 0.0 <= mixed_length_ratio <= 1.0:
-            raise ValueError(f"mixed_length_ratio {mixed_length_ratio} must lie in [0, 1]")
+            raise ConfigError(f"mixed_length_ratio {mixed_length_ratio} must lie in [0, 1]")
         counts = dict(segment_size=segment_size, batch_size=batch_size, eval_batch_size=eval_batch_size)
         for name, value in (counts | dict(n_train=n_train, n_val=n_val, n_test=n_test)).items():
             if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+                raise ConfigError(f"{name} must be >= 1, got {value}")
         self.val_segments = tuple(int(k) for k in (self.schedule if val_segments is None else val_segments))
         self.val_lengths, self.test_lengths = tuple(map(int, val_lengths)), tuple(map(int, test_lengths))
         if (
             min(self.val_segments, default=0) < 0
             or min((*self.val_lengths, *self.test_lengths), default=0) < 0
         ):
-            raise ValueError(
+            raise ConfigError(
                 "Evaluation segment counts must be >= 0 (0 = facts only) and lengths >= 0 tokens."
             )
         if not self.val_segments and not self.val_lengths:
-            raise ValueError("No validation set: give val_segments (null = the schedule) or val_lengths.")
+            raise ConfigError("No validation set: give val_segments (null = the schedule) or val_lengths.")
         missing = sorted(set(self.schedule) - set(self.val_segments))
         if callback is not None and "{segments}" in callback.monitor and missing:
-            raise ValueError(
+            raise ConfigError(
                 f"The curriculum monitors each stage's accuracy, but val_segments has no set at {missing} "
                 "segments; add them (val_segments=null validates every stage)."
             )
@@ -198,7 +200,10 @@ class BabilongDataModule(L.LightningDataModule):
         self._train: CurriculumBatches | None = None
 
     def callbacks(self) -> list[Callback]:
-        return [self.callback] if self.callback is not None else []
+        """The curriculum (if any) and the heat map of the test grid (`train.py test=true`)."""
+        from callbacks.babilong_eval import BabilongHeatmap
+
+        return [*([self.callback] if self.callback is not None else []), BabilongHeatmap("test")]
 
     @property
     def monitor(self) -> tuple[str, str]:
@@ -228,7 +233,7 @@ class BabilongDataModule(L.LightningDataModule):
 
     def load_state_dict(self, state: dict) -> None:
         if list(state["schedule"]) != list(self.schedule):
-            raise ValueError(
+            raise ConfigError(
                 f"The checkpoint's curriculum schedule {state['schedule']} differs from {list(self.schedule)}; "
                 "resume with the same curriculum.schedule."
             )
@@ -277,7 +282,7 @@ class BabilongDataModule(L.LightningDataModule):
         )
         first = next((n for n in self.schedule if n > 0), None)
         if first is not None and self._train.k_min > first:
-            raise ValueError(
+            raise ConfigError(
                 f"{self.task}: the shortest sample needs {self._train.k_min} segments of {self.segment_size} "
                 f"tokens, but the schedule's first background stage has {first}. Start it at "
                 f"{self._train.k_min} or raise the segment size."
@@ -292,7 +297,7 @@ class BabilongDataModule(L.LightningDataModule):
         self.setup("fit")
         t = self.trainer
         if t is not None and len(self.schedule) > 1 and not isinstance(t.val_check_interval, int):
-            raise ValueError(
+            raise ConfigError(
                 "The curriculum advances after validations of an infinite training stream: set "
                 "trainer.val_check_interval to a number of batches and trainer.check_val_every_n_epoch=null."
             )
@@ -369,9 +374,9 @@ class CurriculumCallback(Callback):
         stop_after_last_stage: bool = False,
     ):
         if mode not in ("max", "min"):
-            raise ValueError(f"mode {mode!r} must be 'max' or 'min'")
+            raise ConfigError(f"mode {mode!r} must be 'max' or 'min'")
         if patience is None and max_steps_per_stage is None:
-            raise ValueError(
+            raise ConfigError(
                 "Give patience, max_steps_per_stage or both, else the curriculum never advances."
             )
         self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, min_delta
@@ -400,7 +405,7 @@ class CurriculumCallback(Callback):
         if self.patience is not None:
             key = self.monitor.format(task=dm.task, segments=dm.max_segments)
             if key not in trainer.callback_metrics:
-                raise KeyError(
+                raise ConfigError(
                     f"Curriculum monitor {key!r} was not logged; logged: {sorted(trainer.callback_metrics)}. "
                     "Set curriculum.callback.monitor to one of them."
                 )

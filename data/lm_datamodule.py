@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from data.corpus import Corpus, TokenizedSplit, tokenize_corpus
 from data.tokenizer import Tokenizer
+from models.config_errors import ConfigError
 
 
 def with_specials(split: TokenizedSplit, bos: int, eos: int) -> list[np.ndarray]:
@@ -57,7 +58,7 @@ class ShuffledChunks:
         stream = np.concatenate(docs)
         n = (len(stream) - 1) // seq_len
         if n < batch_size:
-            raise ValueError(f"Corpus too small: {n} chunks of {seq_len} tokens < batch_size {batch_size}")
+            raise ConfigError(f"Corpus too small: {n} chunks of {seq_len} tokens < batch_size {batch_size}")
         self.stream, self.seq_len, self.batch_size, self.seed = stream, seq_len, batch_size, seed
         self.per_epoch = n // batch_size
 
@@ -73,7 +74,7 @@ class OrderedStreams:
 
     def __init__(self, docs: list[np.ndarray], seq_len: int, batch_size: int, pad_id: int, seed: int):
         if len(docs) < batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"{len(docs)} documents cannot fill {batch_size} ordered streams; lower batch_size"
             )
         order = np.random.default_rng(seed).permutation(len(docs))
@@ -135,6 +136,13 @@ class LMDataModule(L.LightningDataModule):
         cache_dir: str | None = None,
     ):
         super().__init__()
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("val_batches", val_batches)):
+            if value < 1:
+                raise ConfigError(f"task.{name} must be >= 1, got {value}.")
+        if num_workers < 0:
+            raise ConfigError(
+                f"task.num_workers must be >= 0 (0: load in the main process), got {num_workers}."
+            )
         self.tokenizer, self.corpus = tokenizer, corpus
         self.seq_len, self.batch_size, self.ordered = seq_len, batch_size, ordered
         self.val_batches, self.num_workers, self.seed, self.cache_dir = (

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from models.config_errors import ConfigError, MissingFileError, MissingPackageError
+
 
 class Tokenizer:
     """Text <-> token ids with `bos_id`, `eos_id`, `pad_id` (pad falls back to eos) and `vocab_size`."""
@@ -49,7 +51,7 @@ class SentencePieceTokenizer(Tokenizer):
 
         model_file = Path(model_file)
         if not model_file.is_file():
-            raise FileNotFoundError(f"SentencePiece model not found: {model_file}")
+            raise MissingFileError(f"SentencePiece model not found: {model_file}")
         self.sp = spm.SentencePieceProcessor(model_file=str(model_file))
         self.name = model_file.name
         self.vocab_size = self.sp.get_piece_size()
@@ -84,7 +86,7 @@ class HFTokenizer(Tokenizer):
         self.vocab_size = len(self.tok)
         bos, eos = self.tok.bos_token_id, self.tok.eos_token_id
         if eos is None:
-            raise ValueError(f"Tokenizer {name!r} defines no EOS token; pick a tokenizer with one.")
+            raise ConfigError(f"Tokenizer {name!r} defines no EOS token; pick a tokenizer with one.")
         self.eos_id = eos
         self.bos_id = bos if bos is not None else eos
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else eos
@@ -105,7 +107,7 @@ def mistral_sentencepiece_path() -> Path:
     try:
         import mistral_common
     except ImportError as e:
-        raise ImportError(
+        raise MissingPackageError(
             "The default tokenizer ships in `mistral-common`: pip install mistral-common"
         ) from e
     return Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
@@ -119,6 +121,6 @@ def build_tokenizer(
         return SentencePieceTokenizer(name or mistral_sentencepiece_path())
     if kind == "hf":
         if not name:
-            raise ValueError("tokenizer=hf needs a name or path: tokenizer.name=gpt2 (or a local folder)")
+            raise ConfigError("tokenizer=hf needs a name or path: tokenizer.name=gpt2 (or a local folder)")
         return HFTokenizer(name, gguf_file=gguf_file)
-    raise ValueError(f"Unknown tokenizer kind {kind!r}; valid: 'sentencepiece', 'hf'")
+    raise ConfigError(f"Unknown tokenizer kind {kind!r}; valid: 'sentencepiece', 'hf'")

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from callbacks.longppl import LogitsFn, sliding_window_short_logprobs, token_logprobs
+from models.config_errors import ConfigError
 from models.outputs import ModelOutput
 
 __all__ = [
@@ -108,7 +109,7 @@ class LongCE(nn.Module):
     def __init__(self, gamma: float = 5.0, K: int | None = None, d: int | None = None):
         super().__init__()
         if gamma < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"LongCE gamma caps the up-weighting of long-context tokens and must be >= 1 (1: plain CE), got {gamma}"
             )
         self.gamma, self.K, self.d = gamma, K, d

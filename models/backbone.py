@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from models.config_errors import ConfigError
 from models.llama import Llama, LlamaConfig, padding_position_ids
 
 
@@ -45,7 +46,7 @@ class HFBackbone(nn.Module):
         kv_cache=None,
     ) -> Tensor:
         if kv_cache is not None:
-            raise ValueError(
+            raise ConfigError(
                 "The per-layer KV-cache hook needs our Llama backbone (backbone=tiny|llama_83m|smollm2_135m)"
             )
         if inputs_embeds is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,9 +15,14 @@ import lightning as L
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate as hydra_instantiate
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from callbacks.checkpoint import AtomicCheckpointIO
+from models.config_checks import MODEL_KEYS_FOR_OTHER_GROUPS, check_config
+from models.config_errors import ConfigError, MissingFileError
+from models.errors import UserError
 from models.lit_module import LitModule
 
 log = logging.getLogger(__name__)
@@ -27,7 +33,9 @@ def instantiate(cfg, *args, **kwargs):
     try:
         return hydra_instantiate(cfg, *args, **kwargs)
     except InstantiationException as e:
-        if isinstance(e.__cause__, (ValueError, FileNotFoundError, ImportError)):
+        if isinstance(
+            e.__cause__, (UserError, MisconfigurationException, ValueError, FileNotFoundError, ImportError)
+        ):
             raise e.__cause__ from None
         raise
 
@@ -53,7 +61,7 @@ def build_backbone(cfg: DictConfig, tokenizer) -> torch.nn.Module:
             cfg.vocab_size = tokenizer.vocab_size
     backbone = instantiate(cfg)
     if backbone.vocab_size < tokenizer.vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"Tokenizer/vocabulary mismatch: tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but the "
             f"backbone's vocabulary has {backbone.vocab_size}. Set backbone.vocab_size={tokenizer.vocab_size} "
             "(or null to follow the tokenizer), or pick the tokenizer the backbone was trained with."
@@ -61,17 +69,12 @@ def build_backbone(cfg: DictConfig, tokenizer) -> torch.nn.Module:
     return backbone
 
 
-# Keys of a model config that configure other groups, not the model builder: `backbone` (backbone keys the model
-# needs, read by configs/backbone/*.yaml) and `ordered_data` (the LM task streams documents in order).
-MODEL_KEYS_FOR_OTHER_GROUPS = ("backbone", "ordered_data")
-
-
 def load_backbone_init(backbone: torch.nn.Module, path: str, backbone_cfg: DictConfig | None = None) -> None:
     """Start from backbone weights saved by `python -m models.pretrain_babi` (`backbone_init=<file>`). With
     `backbone_cfg` (this run's), the config saved with the weights must agree: options that change no shape
     (e.g. alibi, rope_theta) would otherwise load silently into a different model."""
     if not Path(path).is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"backbone_init={path} does not exist. Give an existing file, backbone_init=warm_start (BABILong "
             f"tasks: trained once and cached), or backbone_init=null for random weights."
         )
@@ -82,14 +85,14 @@ def load_backbone_init(backbone: torch.nn.Module, path: str, backbone_cfg: DictC
         differ = {k: (was.get(k), v) for k, v in now.items() if (was[k] != v if k in was else v not in off)}
         if differ:
             listed = ", ".join(f"{k}: {a} in the file, {b} now" for k, (a, b) in differ.items())
-            raise ValueError(
+            raise ConfigError(
                 f"backbone_init={path} was trained for another backbone ({listed}); re-create it with "
                 f"`python -m models.pretrain_babi <this run's overrides>`."
             )
     try:
         backbone.load_state_dict(saved["state_dict"])
     except RuntimeError as e:
-        raise ValueError(
+        raise ConfigError(
             f"backbone_init={path} does not fit this backbone; re-create it with this run's backbone= options.\n{e}"
         ) from None
 
@@ -127,8 +130,10 @@ class Run:
 def build_callbacks(cfg: DictConfig, datamodule) -> list:
     callbacks = []
     for name, c in (cfg.get("callbacks") or {}).items():
-        if name == "progress_bar" and not cfg.trainer.get("enable_progress_bar", True):
-            continue
+        if name == "progress_bar" and not (
+            cfg.trainer.get("enable_progress_bar", True) and sys.stdout.isatty()
+        ):
+            continue  # no bar in a log file: callbacks.progress.ProgressLog writes plain lines instead
         if name == "model_checkpoint" and c.get("monitor") is None:
             monitor, mode = getattr(datamodule, "monitor", ("val/loss", "min"))
             c = OmegaConf.merge(c, {"monitor": monitor, "mode": mode})
@@ -138,6 +143,7 @@ def build_callbacks(cfg: DictConfig, datamodule) -> list:
 
 
 def build_run(cfg: DictConfig) -> Run:
+    check_config(cfg)
     L.seed_everything(cfg.seed, workers=True)
     tokenizer = instantiate(cfg.tokenizer)
     corpus = instantiate(cfg.corpus)
@@ -156,12 +162,15 @@ def build_run(cfg: DictConfig) -> Run:
         config=OmegaConf.to_container(cfg, resolve=True),
     )
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
+    callbacks = build_callbacks(cfg, datamodule)
     trainer = instantiate(
         cfg.trainer,
         logger=loggers or False,
-        callbacks=build_callbacks(cfg, datamodule),
+        callbacks=callbacks,
         plugins=[AtomicCheckpointIO()],
+        enable_progress_bar=any(isinstance(c, ProgressBar) for c in callbacks),
     )
     for lg in loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    log.info("Run folder: %s", Path(cfg.run_dir).resolve())
     return Run(tokenizer, datamodule, module, trainer)

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from models.config_errors import ConfigError
+
 
 @dataclass
 class _Segment:
@@ -38,12 +40,12 @@ class XLKVCache:
 
     def __init__(self, max_tokens: int | None = None, max_segments: int | None = None, detach: bool = True):
         if (max_tokens is None) == (max_segments is None):
-            raise ValueError(
+            raise ConfigError(
                 f"Give exactly one of max_tokens / max_segments, got {max_tokens} / {max_segments} "
                 "(e.g. max_segments=1: the previous segment, as in the paper)"
             )
         if (max_tokens or max_segments) < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"cache size must be >= 1, got max_tokens={max_tokens}, max_segments={max_segments}"
             )
         self.max_tokens, self.max_segments, self.detach = max_tokens, max_segments, detach

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from callbacks.checkpoint import DivergedError
+from models.config_checks import check_checkpoint_fits
 from models.outputs import scored_positions
 
 
@@ -193,7 +194,9 @@ class LitModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """A resume may change the optimizer settings (optim.*): the configured ones replace the saved ones (torch
-        would restore the saved learning rate, betas, eps and weight decay); the schedule's multiplier stays."""
+        would restore the saved learning rate, betas, eps and weight decay); the schedule's multiplier stays. A
+        checkpoint of another model type is refused with the model it is."""
+        check_checkpoint_fits(checkpoint, self.state_dict(), self.config)
         for opt in checkpoint.get("optimizer_states", []):
             for group, decay in zip(opt["param_groups"], (self.weight_decay, 0.0), strict=False):
                 scale = self.lr / group.get("initial_lr", self.lr)

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.config_errors import ConfigError
+
 
 @dataclass
 class LlamaConfig:
@@ -36,11 +38,11 @@ class LlamaConfig:
 
     def __post_init__(self):
         if self.hidden_size % self.n_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} must be divisible by n_heads {self.n_heads}")
+            raise ConfigError(f"hidden_size {self.hidden_size} must be divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} must be divisible by n_kv_heads {self.n_kv_heads}")
+            raise ConfigError(f"n_heads {self.n_heads} must be divisible by n_kv_heads {self.n_kv_heads}")
         if (self.hidden_size // self.n_heads) % 2:
-            raise ValueError("head_dim (hidden_size / n_heads) must be even for rotary embeddings")
+            raise ConfigError("head_dim (hidden_size / n_heads) must be even for rotary embeddings")
 
     @property
     def head_dim(self) -> int:
@@ -280,7 +282,7 @@ class Llama(nn.Module):
         else:
             missing, unexpected = self.load_state_dict(ours, strict=False)
         if missing or unexpected:
-            raise ValueError(
+            raise ConfigError(
                 f"HF Llama weights do not match this config: missing {missing}, unexpected {unexpected}"
             )
 
@@ -289,7 +291,7 @@ class Llama(nn.Module):
 
         c = self.cfg
         if c.alibi:
-            raise ValueError(
+            raise ConfigError(
                 "an ALiBi backbone (alibi=true) has no Hugging Face Llama equivalent to export to"
             )
         return HFLlamaConfig(
@@ -325,7 +327,7 @@ class Llama(nn.Module):
             tie_embeddings=bool(hc.tie_word_embeddings),
         )
         if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"Only default RoPE is supported, got rope_type={rope.get('rope_type')!r}")
+            raise ConfigError(f"Only default RoPE is supported, got rope_type={rope.get('rope_type')!r}")
         model = cls(cfg)
         model.load_hf_state_dict(hf_model.state_dict())
         return model

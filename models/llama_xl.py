@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from models.config_errors import ConfigError
 from models.kv_cache import XLKVCache
 from models.llama import Llama
 from models.outputs import ModelOutput, head_logprobs, scored_positions
@@ -43,18 +44,18 @@ class LlamaXL(nn.Module):
     ):
         super().__init__()
         if not isinstance(backbone, Llama):
-            raise TypeError(
+            raise ConfigError(
                 f"Llama-XL needs our Llama backbone (it has the per-layer KV-cache hook), got {type(backbone).__name__}"
             )
         if not backbone.cfg.key_norm:
-            raise ValueError(
+            raise ConfigError(
                 "Llama-XL normalises keys: build the backbone with key_norm=True (model config `backbone: "
                 "{key_norm: true}`); the weights of a key_norm=False checkpoint load unchanged."
             )
         if segment_size < 1:
-            raise ValueError(f"segment_size must be >= 1, got {segment_size}")
+            raise ConfigError(f"segment_size must be >= 1, got {segment_size}")
         if (cache_tokens is None) == (cache_segments is None):
-            raise ValueError(
+            raise ConfigError(
                 f"Give exactly one of cache_tokens / cache_segments, got {cache_tokens} / {cache_segments} "
                 "(cache_segments=1: the previous segment, as in the paper)"
             )
@@ -63,7 +64,7 @@ class LlamaXL(nn.Module):
         self.new_cache()  # validates the cache size
         span = segment_size + (cache_tokens if cache_tokens is not None else cache_segments * segment_size)
         if span > backbone.cfg.max_positions:
-            raise ValueError(
+            raise ConfigError(
                 f"Keys span up to {span} positions (cache + segment) but the backbone has max_positions="
                 f"{backbone.cfg.max_positions}; lower segment_size / the cache size or raise max_positions"
             )

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from callbacks.longppl import short_context_windows
+from models.config_errors import ConfigError
 from models.outputs import ModelOutput, head_logprobs, scored_positions
 
 
@@ -24,7 +25,7 @@ class CausalLM(nn.Module):
         self.window = window
         self.stride = stride or window // 2
         if not 0 < self.stride <= window:
-            raise ValueError(f"stride must be in (0, window={window}], got {stride}")
+            raise ConfigError(f"stride must be in (0, window={window}], got {stride}")
 
     def forward(self, batch: dict) -> ModelOutput:
         hidden = self.backbone(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))

@@ -36,13 +36,16 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
-from rich.progress import track
+from rich.progress import Progress
 from torch import Tensor, nn
 
 from data.babi import generate_task
 from data.babilong import EncodedSample, TaskTokens, assemble, check_task, collate
 from data.corpus import default_cache_dir
+from models import cli
 from models.builders import build_backbone, instantiate, register_resolvers
+from models.config_checks import check_config
+from models.config_errors import ConfigError
 from models.lit_module import exact_match
 from models.llama import Llama
 
@@ -77,7 +80,7 @@ def compact_backbone(backbone: Llama, vocab: TaskVocabulary) -> Llama:
     """A copy of `backbone` with only the vocabulary's rows of its embedding and head (v instead of V tokens).
     With no weight decay, Adam leaves the other rows untouched, so training the copy trains the backbone."""
     if not isinstance(backbone, Llama):
-        raise TypeError(
+        raise ConfigError(
             f"Warm start needs our Llama backbone (backbone=tiny ...), got {type(backbone).__name__}."
         )
     small = Llama(dataclasses.replace(backbone.cfg, vocab_size=len(vocab.ids)))
@@ -130,8 +133,9 @@ def pretrain(
 ) -> float:
     """Train `backbone` in place on facts-only samples of `task`; returns the final validation exact match.
 
-    Stops early once the validation accuracy reaches `target_accuracy` (None: run every step). `log` gets a JSON
-    line per evaluation (default: print); progress: a bar with rate and ETA.
+    Stops early once the validation accuracy reaches `target_accuracy` (None: run every step). `log` (default:
+    print) gets what the run will do, a JSON line per evaluation (with the ETA of the remaining steps) and why it
+    stopped; progress: a bar with rate and ETA that ends full when the target stops the run early.
     """
     log = log or partial(print, flush=True)
     check_task(task)
@@ -140,7 +144,7 @@ def pretrain(
     vocab = TaskVocabulary(pool, tokenizer.pad_id)
     missing = set(np.concatenate([*val.answer, *val.tail]).tolist()) - set(vocab.ids.tolist())
     if missing:
-        raise ValueError(f"Validation tokens {sorted(missing)} never occur in the pool: raise n_pool.")
+        raise ConfigError(f"Validation tokens {sorted(missing)} never occur in the pool: raise n_pool.")
     model = compact_backbone(backbone, vocab)
     val_batches = [
         vocab.compact(collate([facts_only(val, i) for i in range(a, min(a + 128, n_val))], tokenizer.pad_id))
@@ -157,32 +161,44 @@ def pretrain(
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup_steps))
     rng = np.random.default_rng(seed)
+    stop = f", stopping once it reaches {target_accuracy}" if target_accuracy is not None else ""
+    log(
+        f"Warm start: next-token training of the backbone on {task} facts-only stories, up to {steps} steps of "
+        f"{batch_size}; facts-only exact match on {n_val} held-out stories every {eval_every} steps{stop}."
+    )
     t0, acc = time.perf_counter(), 0.0
-    for step in track(range(1, steps + 1), f"pretraining on {task}", disable=not progress):
-        rows = [facts_only(pool, int(i)) for i in rng.integers(len(pool), size=batch_size)]
-        batch = vocab.compact(collate(rows, tokenizer.pad_id, context_loss=True))
-        answer, ctx, _ = losses(model, batch)
-        loss = answer + context_weight * ctx
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if step % eval_every == 0 or step == steps:
-            acc = accuracy()
-            minutes = (time.perf_counter() - t0) / 60
-            log(
-                json.dumps(
-                    {
-                        "step": step,
-                        "answer_loss": round(answer.item(), 4),
-                        "acc": acc,
-                        "min": round(minutes, 2),
-                    }
-                )
-            )
-            if target_accuracy is not None and acc >= target_accuracy:
-                break
+    with Progress(*Progress.get_default_columns(), disable=not progress) as bar:
+        job = bar.add_task(f"pretraining on {task}", total=steps)
+        for step in range(1, steps + 1):
+            rows = [facts_only(pool, int(i)) for i in rng.integers(len(pool), size=batch_size)]
+            batch = vocab.compact(collate(rows, tokenizer.pad_id, context_loss=True))
+            answer, ctx, _ = losses(model, batch)
+            loss = answer + context_weight * ctx
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            bar.advance(job)
+            if step % eval_every == 0 or step == steps:
+                acc = accuracy()
+                minutes = (time.perf_counter() - t0) / 60
+                line = {
+                    "step": step,
+                    "answer_loss": round(answer.item(), 4),
+                    "acc": acc,
+                    "min": round(minutes, 2),
+                }
+                line["eta_min"] = round(
+                    minutes / step * (steps - step), 1
+                )  # to the last step; less if it stops early
+                log(json.dumps(line))
+                if target_accuracy is not None and acc >= target_accuracy:
+                    bar.update(job, total=step)  # done: the bar ends full, not at the share of steps run
+                    log(
+                        f"Reached facts-only exact match {acc:.3f} >= {target_accuracy} at step {step}: stopping."
+                    )
+                    break
     write_back(model, backbone, vocab)
     return acc
 
@@ -201,7 +217,7 @@ def warm_start_file(cfg: DictConfig) -> Path:
     """Where the warm start of this run's backbone, tokenizer, task and `warm_start` settings is cached."""
     task = cfg.task.get("task")
     if task is None:
-        raise ValueError(
+        raise ConfigError(
             "backbone_init=warm_start pretrains the backbone on a BABILong task's stories: use it with "
             "task=qa1 ... qa20, or set backbone_init=null (random weights) or a file."
         )
@@ -252,6 +268,7 @@ def main() -> None:
     register_resolvers()
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
         cfg = compose("train", overrides=a.overrides)
+    check_config(cfg)
     torch.set_num_threads(cfg.get("threads") or 1)
     tokenizer = instantiate(cfg.tokenizer)
     path = warm_start(cfg, tokenizer)
@@ -263,4 +280,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, "train")

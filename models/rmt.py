@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from models.config_errors import ConfigError
 from models.llama import padding_position_ids
 from models.memory import MemoryState
 from models.outputs import ModelOutput, head_logprobs, scored_positions
@@ -48,11 +49,11 @@ class RMT(nn.Module):
     ):
         super().__init__()
         if num_memory < 0:
-            raise ValueError(f"num_memory must be >= 0, got {num_memory}")
+            raise ConfigError(f"num_memory must be >= 0, got {num_memory}")
         if segment_size < 1:
-            raise ValueError(f"segment_size must be >= 1, got {segment_size}")
+            raise ConfigError(f"segment_size must be >= 1, got {segment_size}")
         if k2 < -1:
-            raise ValueError(f"k2 must be -1 (full backprop through time) or >= 0, got {k2}")
+            raise ConfigError(f"k2 must be -1 (full backprop through time) or >= 0, got {k2}")
         self.backbone = backbone
         self.num_memory = num_memory
         self.segment_size = segment_size

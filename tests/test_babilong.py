@@ -5,6 +5,7 @@ and the heat map, and clear errors on bad input."""
 from __future__ import annotations
 
 import numpy as np
+import PIL.Image
 import pytest
 import torch
 
@@ -25,6 +26,7 @@ from data.corpus import Corpus, Document
 from data.curriculum import BabilongDataModule, CurriculumCallback
 from data.sentences import encode_pieces, split_sentences, tokenize_sentences
 from data.tokenizer import Tokenizer, build_tokenizer
+from tests.figures import assert_texts_inside
 
 MARKERS = {"train": "harvest", "validation": "frontier", "test": "treaty"}
 SHARED = "Thank you all."
@@ -301,8 +303,19 @@ def test_heatmap_orders_sizes_and_reads_logged_metrics(tmp_path):
     assert table == {"qa2": {"1M": 0.1, "0k": 0.9, "4k": 0.5}, "qa10": {"0k": 1.0}}
     fig = plot_accuracy_heatmap(table, tmp_path / "heat.png")
     ax = fig.axes[0]
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["0k", "4k", "1M"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["facts only", "4k", "1M"]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["qa2", "qa10"]
     assert sorted(t.get_text() for t in ax.texts) == ["10", "100", "50", "90"]
     assert (tmp_path / "heat.png").stat().st_size > 0
     assert [length_name(n) for n in (0, 1024, 131072, 2**20, 1000)] == ["0k", "1k", "128k", "1M", "1000"]
+
+
+@pytest.mark.parametrize("n_tasks,n_sizes", [(1, 1), (1, 2), (3, 9), (20, 12)])
+def test_heatmap_holds_its_title_labels_and_colour_bar_at_any_grid_size(tmp_path, n_tasks, n_sizes):
+    """At a 1 x 1 grid the old heat map was 390 x 162 px with the title and colour-bar label cut off."""
+    sizes = [length_name(1024 * j) for j in range(n_sizes)]
+    table = {f"qa{i + 1}": {s: 0.5 for s in sizes} for i in range(n_tasks)}
+    fig = plot_accuracy_heatmap(table, tmp_path / "heat.png", title="BABILong test accuracy")
+    assert_texts_inside(fig)
+    width, height = PIL.Image.open(tmp_path / "heat.png").size
+    assert width >= 600 and height >= 360

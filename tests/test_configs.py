@@ -7,10 +7,16 @@ import lightning as L
 import pytest
 from hydra import compose, initialize
 from hydra.errors import ConfigCompositionException
-from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
-from models.builders import MODEL_KEYS_FOR_OTHER_GROUPS, register_resolvers
+from models.builders import register_resolvers
+from models.config_checks import (
+    MODEL_KEYS_FOR_OTHER_GROUPS,
+    config_problems,
+    node_problems,
+    signature_of,
+    targets,
+)
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 GROUPS = [
@@ -40,26 +46,12 @@ def compose_train(overrides: list[str]) -> DictConfig:
         return compose(config_name="train", overrides=overrides)
 
 
-def targets(node, path=""):
-    """Yield (path, node) for every config node with a _target_."""
-    if isinstance(node, DictConfig):
-        if "_target_" in node:
-            yield path, node
-        for k in node:
-            yield from targets(node._get_node(k), f"{path}.{k}" if path else str(k))
-
-
 def assert_binds(path: str, node: DictConfig) -> None:
-    fn = get_method(node._target_)
-    fn = fn.__init__ if inspect.isclass(fn) else fn
-    kwargs = {k: None for k in node if not str(k).startswith("_")}
-    if path == "model":
-        kwargs = {k: v for k, v in kwargs.items() if k not in MODEL_KEYS_FOR_OTHER_GROUPS}
-    sig = inspect.signature(fn)
-    try:
-        sig.bind_partial(*([None] if inspect.isfunction(fn) and "self" in sig.parameters else []), **kwargs)
-    except TypeError as e:
-        pytest.fail(f"{path}: config keys {sorted(kwargs)} do not bind to {node._target_}: {e}")
+    """Every key is an argument of the target, of the declared type; every required argument is given."""
+    problems = node_problems(path, node, node._target_)
+    assert not problems, "\n".join(problems)
+    sig, _ = signature_of(node._target_)
+    kwargs = set(node) - set(MODEL_KEYS_FOR_OTHER_GROUPS if path == "model" else ())
     missing = [
         n
         for n, p in sig.parameters.items()
@@ -79,6 +71,7 @@ def test_every_option_composes_and_binds(group):
         OmegaConf.resolve(cfg)
         for path, node in targets(cfg):
             assert_binds(path, node)
+        assert not config_problems(cfg)  # what train.py checks before building
 
 
 def test_trainer_config_lists_every_trainer_argument():

@@ -217,4 +217,4 @@ def test_every_task_and_curriculum_config_builds_a_datamodule(tok):
             assert dm.schedule == schedule and dm.val_names[-1] == f"qa1/acc@{schedule[-1]}seg"
             assert dm.mixed_length_ratio == (0.0 if staged else 1.0)
             callbacks = [type(c).__name__ for c in dm.callbacks()]
-            assert callbacks == (["CurriculumCallback"] if staged else [])
+            assert callbacks == (["CurriculumCallback"] if staged else []) + ["BabilongHeatmap"]

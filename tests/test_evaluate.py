@@ -112,8 +112,11 @@ def test_metrics_go_to_the_training_runs_wandb_run(trained, tmp_path):
             [f"ckpt_path={run_dir}/checkpoints/last.ckpt", "eval.ppl.max_len=32", "eval.ppl.max_docs=1"]
         )
     )
-    runs = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs)
+    runs = sorted(
+        (run_dir / "wandb").glob("offline-run-*")
+    )  # `...-<id>-1` when both start in the same second
+    assert len(runs) == 2 and all((run / f"run-{run_id}.wandb").is_file() for run in runs)
+    assert wandb_run_id(run_dir) == run_id  # the continued run's folder gives the same id
     assert (run_dir / "eval" / "version_0" / "metrics.csv").is_file()  # CSV as well
 
 

@@ -12,6 +12,7 @@ from callbacks.forgetting_curve import (
     length_grid,
     plot_forgetting_curve,
 )
+from tests.figures import assert_texts_inside
 
 BOS, EOS, WRONG = 1, 2, 0  # stream tokens are >= 3, so WRONG never equals a target
 
@@ -253,6 +254,7 @@ def test_json_round_trip_csv_and_plot(tmp_path):
     labels = fig.axes[0].get_legend_handles_labels()[1]
     assert {"copy accuracy", "LM accuracy", "amnesia"} <= set(labels)
     assert any(label.startswith("fine-grained memory") for label in labels)
+    assert_texts_inside(fig)
 
 
 def test_length_grid_linear_matches_paper_and_geometric_is_log_spaced():

@@ -291,5 +291,4 @@ def test_rmt_r_trains_on_babilong_and_draws_memory_maps_on_the_device(device, tm
     overrides = ["model=rmt_r", "loss=longce", *TINY_BACKBONE, *QA1, *QUICK]
     metrics = train(compose_train([*overrides, *trainer_on(device), f"run_dir={tmp_path}"]))
     assert math.isfinite(metrics["train/loss"]) and 0 <= metrics["val/qa1/acc@2seg"] <= 1
-    maps = {p.name.split("_", 2)[-1] for p in (tmp_path / "memory_maps").glob("step4_*.png")}
-    assert maps == {"distance.png", "write.png", "read.png"}
+    assert [p.name for p in tmp_path.glob("memory_maps*")] == ["memory_maps.png"]  # one image, the newest

@@ -1,11 +1,15 @@
 """LM datamodules: deterministic, resumable, worker- and rank-safe batches; ordered streams continue and reset."""
 
+import logging
+
 import numpy as np
 import pytest
 import torch
 
 from data.corpus import Document, load_corpus, split_documents
 from data.lm_datamodule import BatchStream, LMDataModule, OrderedStreams, ShuffledChunks
+from models.config_errors import ConfigError
+from models.errors import UserError
 
 
 def docs(lengths, seed=0):
@@ -80,6 +84,40 @@ def test_folder_corpus_errors_name_the_fix(tmp_path):
         load_corpus("folder", path=str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="No .txt files"):
         load_corpus("folder", path=str(tmp_path))
+
+
+def test_undecodable_corpus_files_are_named_and_refused_above_the_threshold(tmp_path, caplog):
+    """Was: a folder of Latin-1 or binary files trained silently on U+FFFD (44% of the text)."""
+    text = "Plain text about the garden and the kitchen. " * 40
+    for i in range(4):
+        (tmp_path / f"doc{i}.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "latin1.txt").write_bytes(
+        (text + "Caf\xe9 au lait. ").encode("latin-1")
+    )  # 1 bad byte in 1.8k
+    with caplog.at_level(logging.WARNING, logger="data.corpus"):
+        corpus = load_corpus("folder", str(tmp_path), 0.2, 0.2)
+    assert "1 files under" in caplog.text and "latin1.txt (0.1%)" in caplog.text and "U+FFFD" in caplog.text
+    docs = {d.name: d.text for split in corpus.splits.values() for d in split}
+    assert docs["latin1.txt"].endswith("Caf\ufffd au lait. ")
+
+    (tmp_path / "binary.txt").write_bytes(
+        bytes(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8))
+    )
+    with pytest.raises(ConfigError) as e:
+        load_corpus("folder", str(tmp_path), 0.2, 0.2)
+    assert isinstance(e.value, UserError)
+    assert "1 of 6 files under" in str(e.value) and "binary.txt (" in str(e.value)
+    assert "latin1.txt" not in str(e.value) and "corpus.encoding=<their encoding>" in str(e.value)
+    share = float(str(e.value).split("binary.txt (")[1].split("%")[0])
+    assert 40 < share < 60  # about half of random bytes are not UTF-8 (or NUL)
+
+    (tmp_path / "binary.txt").unlink()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="data.corpus"):
+        corpus = load_corpus("folder", str(tmp_path), 0.2, 0.2, encoding="latin-1")
+    assert not caplog.text
+    docs = {d.name: d.text for split in corpus.splits.values() for d in split}
+    assert docs["latin1.txt"].endswith("Café au lait. ")
 
 
 def test_datamodule_on_a_folder_corpus(tmp_path):

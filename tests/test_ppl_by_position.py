@@ -17,6 +17,7 @@ from callbacks.ppl_by_position import (
 from models.llama import Llama, LlamaConfig
 from models.llama_xl import LlamaXL
 from models.lm import CausalLM
+from tests.figures import assert_texts_inside
 
 V = 61
 
@@ -96,7 +97,7 @@ def test_result_files_round_trip(tmp_path):
     assert again.edges == result.edges and again.n_tokens == result.n_tokens and math.isnan(again.ppl[1])
     result.to_csv(tmp_path / "r.csv")
     assert (tmp_path / "r.csv").read_text().splitlines()[1] == f"1,4,{math.exp(2.0)},3"
-    plot_ppl_by_position(result, tmp_path / "r.png")
+    assert_texts_inside(plot_ppl_by_position(result, tmp_path / "r.png"))
     assert (tmp_path / "r.png").stat().st_size > 0
 
 

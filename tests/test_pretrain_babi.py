@@ -3,6 +3,8 @@ the dense loss falls and only the task's rows change, and `backbone_init` loads 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -139,3 +141,26 @@ def test_warm_start_is_trained_once_per_config_cached_and_reused(tmp_path, monke
     assert warm_start_file(wider) != warm_start_file(cfg)
     with pytest.raises(ValueError, match="task=qa1 ... qa20"):
         warm_start_file(compose_train(["model=rmt_r", "backbone=tiny_babi", "backbone_init=warm_start"]))
+
+
+def test_pretraining_says_what_it_does_and_its_bar_ends_full_when_it_stops_early(tok, monkeypatch):
+    """Was: no word of what runs or how long, and a bar left at "75%" when the target stopped the run."""
+    bars = []
+
+    class Recorded(pretrain_babi.Progress):
+        def stop(self) -> None:
+            bars.extend((t.completed, t.total) for t in self.tasks)
+            super().stop()
+
+    monkeypatch.setattr(pretrain_babi, "Progress", Recorded)
+    lines = []
+    pretrain(tiny(tok), tok, steps=100, n_pool=500, n_val=16, eval_every=5, target_accuracy=0.0,
+             log=lines.append, progress=True)  # fmt: skip
+    assert lines[0].startswith(
+        "Warm start: next-token training of the backbone on qa1 facts-only stories, up to 100"
+    )
+    assert "every 5 steps, stopping once it reaches 0.0" in lines[0]
+    evaluation = json.loads(lines[1])
+    assert evaluation["step"] == 5 and evaluation["eta_min"] >= 0
+    assert lines[2].startswith("Reached facts-only exact match") and lines[2].endswith("at step 5: stopping.")
+    assert bars == [(5, 5)]

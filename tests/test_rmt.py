@@ -6,11 +6,12 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from callbacks.memory_maps import attention_maps, attention_probs, memory_figures, memory_states
+from callbacks.memory_maps import attention_maps, attention_probs, memory_figure, memory_panels, memory_states
 from models.backbone import HFBackbone
 from models.llama import Llama, LlamaConfig
 from models.rmt import RMT, build_rmt
 from models.rmt_retrieval import RMTRetrieval
+from tests.figures import assert_texts_inside
 
 V = 61
 MODELS = [RMT, RMTRetrieval]
@@ -268,21 +269,24 @@ def test_attention_probs_reproduce_the_layer_output(alibi):
     torch.testing.assert_close(probs.sum(-1), torch.ones(2, 4, 7))
 
 
-def test_memory_figures():
-    """Distance map over M_0..M_n; write/read attention maps with our Llama, only the distance map for HF models."""
+def test_memory_panels_and_their_one_figure():
+    """Distance map over M_0..M_n; write/read attention maps with our Llama, only the distance map for HF models;
+    all samples' panels in one figure (a row each)."""
     torch.manual_seed(0)
     model = RMT(tiny_backbone(), num_memory=2, segment_size=4).eval()
     ids = torch.randint(0, V, (14,))
     states = memory_states(model, ids)
     assert states.shape == (5, 2, 32)
     torch.testing.assert_close(states[0], model.memory)
-    figures = memory_figures(model, ids, torch.ones_like(ids))
-    assert set(figures) == {"distance", "write", "read"}
-    assert figures["read"].axes[0].images[0].get_array().shape == (
-        4,
-        2,
-    )  # last segment's tokens x read memory
+    panels = memory_panels(model, ids, torch.ones_like(ids))
+    assert set(panels) == {"distance", "write", "read"}
+    assert panels["distance"].values.shape == (5, 5)
+    assert panels["read"].values.shape == (4, 2)  # last segment's tokens x read memory
     hf = RMT(tiny_gpt2(), num_memory=2, segment_size=4).eval()
-    assert set(memory_figures(hf, ids)) == {"distance"}
+    hf_panels = memory_panels(hf, ids)
+    assert set(hf_panels) == {"distance"}
+    fig = memory_figure([panels, hf_panels])
+    assert [len(ax.images) for ax in fig.axes if ax.get_label() != "<colorbar>"] == [1, 1, 1, 1]
+    assert_texts_inside(fig)
     with pytest.raises(TypeError, match="need our Llama backbone"):
         attention_maps(hf, hf.initial_state(1), ids[None, :4])

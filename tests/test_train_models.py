@@ -32,8 +32,7 @@ def test_memory_models_train_on_babilong_and_draw_memory_maps(tmp_path, model, l
     metrics = train(cfg)
     assert math.isfinite(metrics["train/loss"]) and 0 <= metrics["val/qa1/acc@2seg"] <= 1
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
-    maps = {p.name.split("_", 2)[-1] for p in (tmp_path / "memory_maps").glob("step4_*.png")}
-    assert maps == {"distance.png", "write.png", "read.png"}
+    assert [p.name for p in tmp_path.glob("memory_maps*")] == ["memory_maps.png"]  # one image, the newest
 
 
 @pytest.mark.parametrize("loss", ["ce", "longce"])
@@ -42,4 +41,4 @@ def test_llama_xl_trains_on_ordered_streams(tmp_path, loss):
     assert cfg.model.segment_size == cfg.task.seq_len and cfg.task.ordered
     metrics = train(cfg)
     assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["val/ppl"])
-    assert not (tmp_path / "memory_maps").exists()
+    assert not (tmp_path / "memory_maps.png").exists()

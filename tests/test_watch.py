@@ -132,7 +132,8 @@ def test_eval_on_save_evaluates_each_saved_step_in_process(tmp_path):
     cfg = compose_train(
         tiny_overrides(tmp_path, 6, 3, "callbacks=eval_on_save", "eval.ppl.max_len=32", "eval.ppl.max_docs=1")
     )
-    assert set(cfg.callbacks) == {"model_checkpoint", "memory_maps", "eval_on_save"}  # default + this one
+    default = {"model_checkpoint", "memory_maps", "progress_log", "wandb_dashboard"}
+    assert set(cfg.callbacks) == default | {"eval_on_save"}
     run = build_run(cfg)
     run.trainer.fit(run.module, datamodule=run.datamodule)
 

@@ -51,3 +51,13 @@ def read_offline_run(run_file: Path) -> tuple[dict, list[dict]]:
                 }
             )
     return config, history
+
+
+def read_offline_summary(run_file: Path) -> dict:
+    """The run summary (`run.summary[...] = ...` and W&B's own last values) of an offline run file."""
+    summary = {}
+    for rec in records(run_file):
+        if rec.WhichOneof("record_type") == "summary":
+            for item in rec.summary.update:
+                summary[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return summary

@@ -9,6 +9,7 @@ from data.babi import tasks_reasoning as reasoning
 from data.babi import tasks_statements as statements
 from data.babi import tasks_world as world
 from data.babi.sample import Sample
+from models.config_errors import ConfigError
 
 Generator = Callable[[random.Random], Sample]
 
@@ -45,7 +46,7 @@ _ALIASES = {**{name: name for name in TASKS}, **{long: name for name, long in LO
 def task_name(task: str) -> str:
     """The short name ("qa1") of a short or long ("qa1_single-supporting-fact") task name."""
     if task not in _ALIASES:
-        raise ValueError(
+        raise ConfigError(
             f"unknown bAbI task {task!r}; choose one of {', '.join(TASKS)} (or their long names)"
         )
     return _ALIASES[task]
@@ -55,6 +56,6 @@ def generate_task(task: str, n: int, seed: int = 0) -> list[Sample]:
     """`n` samples of `task`, the same for the same seed (one `random.Random(seed)`, no global state)."""
     generator = TASKS[task_name(task)]
     if n < 0:
-        raise ValueError(f"n={n} samples: pass a count >= 0")
+        raise ConfigError(f"n={n} samples: pass a count >= 0")
     rng = random.Random(seed)
     return [generator(rng) for _ in range(n)]

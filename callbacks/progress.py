@@ -1,0 +1,95 @@
+"""Progress of a training run: a rich bar on a terminal, plain log lines anywhere else.
+
+`StepProgressBar` is Lightning's rich bar counted in optimizer steps out of `trainer.max_steps` (training streams
+are infinite: no epochs, so no "Epoch 0/-2", and a resumed run's bar starts at its step, not at "60/10").
+`ProgressLog` writes when no bar is shown (`build_callbacks` shows none when stdout is not a terminal: `nohup`,
+a cluster job, `> log.txt`): a line every `every_n_steps` optimizer steps or `every_s` seconds, whichever comes
+first (step, loss, tokens/s, elapsed, ETA, curriculum stage), and one per validation with its metrics.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+
+import lightning as L
+from lightning.pytorch.callbacks import RichProgressBar
+
+log = logging.getLogger(__name__)
+
+
+class StepProgressBar(RichProgressBar):
+    """RichProgressBar over optimizer steps: `global_step / max_steps`."""
+
+    @property
+    def total_train_batches(self) -> int | float:
+        max_steps = self.trainer.max_steps
+        return max_steps if max_steps and max_steps > 0 else super().total_train_batches
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        return f"{'Training':{len(self.validation_description)}}"
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        self._update(self.train_progress_bar_id, trainer.global_step)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self._update(self.train_progress_bar_id, trainer.global_step)
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
+
+
+class ProgressLog(L.Callback):
+    """Plain progress lines for output that is not a terminal (active only when the trainer shows no bar)."""
+
+    def __init__(self, every_n_steps: int = 50, every_s: float = 60.0):
+        self.every_n_steps, self.every_s = every_n_steps, every_s
+        self.active = False
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.active = trainer.progress_bar_callback is None and trainer.is_global_zero
+        self.t0 = self.last_t = time.monotonic()
+        self.step0 = self.last_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step, now = trainer.global_step, time.monotonic()
+        due = step - self.last_step >= self.every_n_steps or now - self.last_t >= self.every_s
+        if self.active and step > self.last_step and (due or step == trainer.max_steps):
+            self.last_step, self.last_t = step, now
+            log.info(progress_line(trainer, step, now - self.t0, step - self.step0))
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.active or trainer.sanity_checking:
+            return
+        metrics = {k: float(v) for k, v in sorted(trainer.callback_metrics.items()) if k.startswith("val/")}
+        listed = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+        log.info("validation at step %d: %s", trainer.global_step, listed or "no metrics")
+
+
+def progress_line(trainer: L.Trainer, step: int, elapsed: float, done: int) -> str:
+    """`step 100/300 (33%) | loss 6.41 | 14,210 tok/s | 0:01:05 elapsed, ETA 0:02:10 | curriculum stage 1: 2 seg`;
+    `done` steps took `elapsed` seconds (validations included)."""
+    metrics, total = trainer.callback_metrics, trainer.max_steps
+    parts = [f"step {step}/{total} ({step / total:.0%})" if total and total > 0 else f"step {step}"]
+    if "train/loss" in metrics:
+        parts.append(f"loss {float(metrics['train/loss']):.4g}")
+    if "train/tokens_per_s" in metrics:
+        parts.append(f"{float(metrics['train/tokens_per_s']):,.0f} tok/s")
+    timing = f"{clock(elapsed)} elapsed"
+    if total and total > 0 and done:
+        timing += f", ETA {clock(elapsed / done * (total - step))}"
+    parts.append(timing)
+    data = trainer.datamodule
+    if hasattr(data, "max_segments"):
+        size = f"{data.max_segments} segments" if data.max_segments else "facts only"
+        parts.append(f"curriculum stage {data.stage}: {size}")
+    return " | ".join(parts)
+
+
+def clock(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=round(seconds)))
