@@ -5,6 +5,9 @@ background and jumps where a fact is written. (c, d) Attention over memory: the 
 segment that changes memory most (writing a fact), and the last segment's tokens attending to the read memory
 (reading it to answer).
 
+ARMT carries its associative matrices (models/armt.py): their distances are drawn with the memory tokens', and
+with the paper's layout (no read memory) there is no read map: its segments read memory inside every layer.
+
 Attention probabilities are re-derived from hooks on the inputs of our Llama's attention layers (queries, keys,
 rotary positions and mask exactly as the layer builds them), averaged over heads and layers. Hugging Face backbones
 hide these internals, so with them only the distance map is drawn (`attention_maps` raises a clear error).
@@ -29,23 +32,32 @@ from models.memory import MemoryState
 from models.rmt import RMT
 
 
+def carried(state: MemoryState) -> Tensor:
+    """What a one-row state carries into the next segment, flattened (N,): its memory tokens and, for ARMT, its
+    associative matrices (RMT-R's bank is the history of the tokens, not more state)."""
+    parts = [state.memory[0].flatten()]
+    if state.associative is not None:
+        parts.append(state.associative.A[0].flatten())
+    return torch.cat(parts).float()
+
+
 @torch.no_grad()
 def memory_states(model: RMT, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-    """Memory states M_0 .. M_n (n + 1, m, D) of one sample input_ids (T,) (padding allowed, mask (T,))."""
+    """Memory states M_0 .. M_n (n + 1, N) of one sample input_ids (T,) (padding allowed, mask (T,)), flattened
+    as in `carried`."""
     ids = input_ids[None]
     mask = None if attention_mask is None else attention_mask[None]
     state = model.initial_state(1)
-    states = [state.memory[0]]
+    states = [carried(state)]
     for a, b in model.segment_bounds(ids.shape[1]):
         _, state = model.run_segment(state, ids[:, a:b], None if mask is None else mask[:, a:b])
-        states.append(state.memory[0])
-    return torch.stack(states).float()
+        states.append(carried(state))
+    return torch.stack(states)
 
 
 def distance_figure(states: Tensor, title: str = "Memory states: pairwise L2 distance") -> Figure:
-    """Heat map (n + 1, n + 1) of distances between flattened memory states (n + 1, m, D)."""
-    flat = states.flatten(1)
-    dist = torch.cdist(flat[None], flat[None])[0].cpu().numpy()
+    """Heat map (n + 1, n + 1) of distances between flattened memory states (n + 1, N)."""
+    dist = torch.cdist(states[None], states[None])[0].cpu().numpy()
     fig = Figure(figsize=(5, 4.2), layout="constrained")
     ax = fig.subplots()
     im = ax.imshow(dist, cmap="coolwarm_r")
@@ -119,16 +131,20 @@ def memory_figures(
     """Figure 10 for one sample (T,): {"distance", and with our Llama "write", "read"} matplotlib figures.
 
     write: the write memory of the segment where memory moved most, over [read memory; tokens].
-    read: the last `n_query` tokens of the last segment (question and answer) over the read memory.
+    read: the last `n_query` tokens of the last segment (question and answer) over the read memory (none without
+    read memory: ARMT's paper layout).
     """
     states = memory_states(model, input_ids, attention_mask)
     figures = {"distance": distance_figure(states)}
     if not isinstance(model.backbone, Llama):
         return figures
     bounds = model.segment_bounds(len(input_ids))
-    moves = (states[1:] - states[:-1]).flatten(1).norm(dim=-1)  # (n,) how far each segment moved memory
+    moves = (states[1:] - states[:-1]).norm(dim=-1)  # (n,) how far each segment moved memory
     ids, mask = input_ids[None], None if attention_mask is None else attention_mask[None]
-    for name, t in (("write", int(moves.argmax())), ("read", len(bounds) - 1)):
+    maps = [("write", int(moves.argmax()))]
+    if model.read_memory(model.initial_state(1)).shape[1]:
+        maps.append(("read", len(bounds) - 1))
+    for name, t in maps:
         state = model.initial_state(1)
         for a, b in bounds[:t]:
             _, state = model.run_segment(state, ids[:, a:b], None if mask is None else mask[:, a:b])

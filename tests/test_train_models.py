@@ -1,4 +1,4 @@
-"""`python train.py model=... task=...` end to end for the memory models: RMT and RMT-R on BABILong with the
+"""`python train.py model=... task=...` end to end for the memory models: RMT, RMT-R and ARMT on BABILong with the
 curriculum, Llama-XL on ordered LM streams, each with CE and LongCE; the run's checkpoint and figures land."""
 
 import math
@@ -24,16 +24,28 @@ QA1 = [
 ]
 
 
-@pytest.mark.parametrize("model,loss", [("rmt", "ce"), ("rmt_r", "longce")], ids=["rmt-ce", "rmt_r-longce"])
-def test_memory_models_train_on_babilong_and_draw_memory_maps(tmp_path, model, loss):
+@pytest.mark.parametrize(
+    "model,loss,maps",
+    [
+        ("rmt", "ce", "distance,write,read"),
+        ("rmt_r", "longce", "distance,write,read"),
+        ("armt", "longce", "distance,write"),
+    ],
+    ids=[
+        "rmt-ce",
+        "rmt_r-longce",
+        "armt-longce",
+    ],  # ARMT (the paper's layout) reads no memory tokens: no read map
+)
+def test_memory_models_train_on_babilong_and_draw_memory_maps(tmp_path, model, loss, maps):
     cfg = compose_train(
         [f"model={model}", f"loss={loss}", *TINY_BACKBONE, *QA1, *QUICK, f"run_dir={tmp_path}"]
     )
     metrics = train(cfg)
     assert math.isfinite(metrics["train/loss"]) and 0 <= metrics["val/qa1/acc@2seg"] <= 1
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
-    maps = {p.name.split("_", 2)[-1] for p in (tmp_path / "memory_maps").glob("step4_*.png")}
-    assert maps == {"distance.png", "write.png", "read.png"}
+    drawn = {p.name.split("_", 2)[-1] for p in (tmp_path / "memory_maps").glob("step4_*.png")}
+    assert drawn == {f"{name}.png" for name in maps.split(",")}
 
 
 @pytest.mark.parametrize("loss", ["ce", "longce"])
