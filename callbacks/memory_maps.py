@@ -158,7 +158,7 @@ def memory_figures(
                 slice(0, r + L),
                 f"Writing: segment {t + 1}",
                 "write memory",
-                "read memory | segment tokens",
+                "read memory | segment tokens" if r else "segment tokens",
             )
         else:
             figures[name] = attention_figure(
