@@ -1,5 +1,5 @@
-"""RMT / RMT-R overhead: train-step time against the bare backbone over the same tokens, and the peak memory of
-streaming evaluation as the input grows.
+"""RMT / RMT-R / ARMT overhead: train-step time against the bare backbone over the same tokens, and the peak memory
+of streaming evaluation as the input grows.
 
 1. Train step (forward + backward, CE at every token) on B rows of n segments of L tokens:
    - `backbone`: the bare backbone over the whole n*L-token rows (what a long-context model would run);
@@ -7,12 +7,14 @@ streaming evaluation as the input grows.
      span as RMT, no memory): the fair baseline for the cost of recurrence;
    - `backbone/loop`: the bare backbone over the same n segments one after another, B rows a call (the sequential
      schedule of recurrence, no memory): on a GPU, B x L tokens a call can leave it underused where B*n x L did not;
-   - `rmt`, `rmt_r`: m memory tokens, segment by segment, full backprop through time.
-   Ratios are to the baselines; the target is rmt <= 1.10x backbone/seg (memory adds 2m/L tokens a segment).
+   - `rmt`, `rmt_r`: m memory tokens, segment by segment, full backprop through time;
+   - `armt`: m write tokens and the associative memory of every layer (--d-mem, --nu), full backprop through time.
+   Ratios are to the baselines; the target is rmt <= 1.10x backbone/seg (memory adds 2m/L tokens a segment), and
+   armt / rmt is printed as ARMT's cost over RMT.
    --profile prints each model's top kernels (torch.profiler) for one step.
 2. Streaming evaluation (`iter_logits`, every chunk consumed and dropped) at each length of --stream-lengths, each
    in its own subprocess so that the peak resident memory (VmHWM) belongs to one length; on CUDA the peak
-   allocated memory. RMT's should be flat; RMT-R's grows by its n x m x d bank. Then one BABILong-style forward
+   allocated memory. RMT's and ARMT's should be flat; RMT-R's grows by its n x m x d bank. Then one BABILong-style forward
    (answer scored at the last position only, no grad) of the longest length, timed.
 
 Run from the repo root: /work/venv/bin/python -m bench.rmt_overhead [--hidden 128 --layers 4 --segment 512 ...]
@@ -30,6 +32,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from models.armt import ARMT
 from models.llama import Llama, LlamaConfig
 from models.lm import CausalLM
 from models.outputs import ModelOutput
@@ -68,6 +71,8 @@ def build(kind: str, args) -> torch.nn.Module:
         return RMT(backbone, args.memory, args.segment)
     if kind == "rmt_r":
         return RMTRetrieval(backbone, args.memory, args.segment)
+    if kind == "armt":
+        return ARMT(backbone, args.memory, args.segment, d_mem=args.d_mem, nu=args.nu)
     lm = CausalLM(backbone, window=args.segment * args.segments)
     return SegmentLoop(lm, args.segment) if kind == "backbone/loop" else lm
 
@@ -82,6 +87,7 @@ def train_step_seconds(args, device: str) -> dict[str, float]:
         "backbone/loop": {"input_ids": ids, "labels": ids.roll(-1, 1)},
         "rmt": {"input_ids": ids, "labels": ids.roll(-1, 1)},
         "rmt_r": {"input_ids": ids, "labels": ids.roll(-1, 1)},
+        "armt": {"input_ids": ids, "labels": ids.roll(-1, 1)},
     }
     models = {name: build(name, args).to(device) for name in batches}
 
@@ -130,6 +136,8 @@ def stream_model(kind: str, args) -> torch.nn.Module:
         return build(kind, args)
     from models.smollm2 import build_smollm2
 
+    if kind == "armt":
+        return ARMT(build_smollm2(), args.memory, args.segment, d_mem=args.d_mem, nu=args.nu)
     wrapper = {"rmt": RMT, "rmt_r": RMTRetrieval}[kind]
     return wrapper(build_smollm2(), args.memory, args.segment)
 
@@ -180,6 +188,8 @@ def main() -> None:
     parser.add_argument("--segment", type=int, default=512)
     parser.add_argument("--memory", type=int, default=16)
     parser.add_argument("--segments", type=int, default=4)
+    parser.add_argument("--d-mem", type=int, default=32, help="ARMT: keys/queries before DPFP")
+    parser.add_argument("--nu", type=int, default=3, help="ARMT: DPFP order")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--stream-lengths", default="16384,1048576")
@@ -229,6 +239,8 @@ def main() -> None:
             f"  {name:13s} {t * 1000:9.1f} ms   x{t / times['backbone']:.2f} vs backbone   "
             f"x{t / times['backbone/seg']:.2f} vs backbone/seg"
         )
+    if times:
+        print(f"  armt / rmt: x{times['armt'] / times['rmt']:.2f}")
 
     lengths = [int(x) for x in args.stream_lengths.split(",")]
     streamed = (
@@ -238,7 +250,7 @@ def main() -> None:
         f"vocab {args.stream_vocab}"
     )
     print(f"Streaming iter_logits, {streamed}, segment {args.segment}, m = {args.memory}:")
-    for kind in ("rmt", "rmt_r"):
+    for kind in ("rmt", "rmt_r", "armt"):
         for length in lengths:
             cmd = [
                 sys.executable,

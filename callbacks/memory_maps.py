@@ -5,6 +5,9 @@ background and jumps where a fact is written. (c, d) Attention over memory: the 
 segment that changes memory most (writing a fact), and the last segment's tokens attending to the read memory
 (reading it to answer).
 
+ARMT carries its associative matrices (models/armt.py): their distances are drawn with the memory tokens', and
+with the paper's layout (no read memory) there is no read map: its segments read memory inside every layer.
+
 Attention probabilities are re-derived from hooks on the inputs of our Llama's attention layers (queries, keys,
 rotary positions and mask exactly as the layer builds them), averaged over heads and layers. Hugging Face backbones
 hide these internals, so with them only the distance map is drawn (`attention_maps` raises a clear error).
@@ -32,17 +35,27 @@ from models.memory import MemoryState
 from models.rmt import RMT
 
 
+def carried(state: MemoryState) -> Tensor:
+    """What a one-row state carries into the next segment, flattened (N,): its memory tokens and, for ARMT, its
+    associative matrices (RMT-R's bank is the history of the tokens, not more state)."""
+    parts = [state.memory[0].flatten()]
+    if state.associative is not None:
+        parts.append(state.associative.A[0].flatten())
+    return torch.cat(parts).float()
+
+
 @torch.no_grad()
 def memory_states(model: RMT, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-    """Memory states M_0 .. M_n (n + 1, m, D) of one sample input_ids (T,) (padding allowed, mask (T,))."""
+    """Memory states M_0 .. M_n (n + 1, N) of one sample input_ids (T,) (padding allowed, mask (T,)), flattened
+    as in `carried`."""
     ids = input_ids[None]
     mask = None if attention_mask is None else attention_mask[None]
     state = model.initial_state(1)
-    states = [state.memory[0]]
+    states = [carried(state)]
     for a, b in model.segment_bounds(ids.shape[1]):
         _, state = model.run_segment(state, ids[:, a:b], None if mask is None else mask[:, a:b])
-        states.append(state.memory[0])
-    return torch.stack(states).float()
+        states.append(carried(state))
+    return torch.stack(states)
 
 
 @dataclass
@@ -124,16 +137,20 @@ def memory_panels(
     """Figure 10 for one sample (T,): {"distance", and with our Llama "write", "read"}.
 
     write: the write memory of the segment where memory moved most, over [read memory; tokens].
-    read: the last `n_query` tokens of the last segment (question and answer) over the read memory.
+    read: the last `n_query` tokens of the last segment (question and answer) over the read memory (none without
+    read memory: ARMT's paper layout).
     """
     states = memory_states(model, input_ids, attention_mask)
     panels = {"distance": distance_panel(states)}
     if not isinstance(model.backbone, Llama):
         return panels
     bounds = model.segment_bounds(len(input_ids))
-    moves = (states[1:] - states[:-1]).flatten(1).norm(dim=-1)  # (n,) how far each segment moved memory
+    moves = (states[1:] - states[:-1]).norm(dim=-1)  # (n,) how far each segment moved memory
     ids, mask = input_ids[None], None if attention_mask is None else attention_mask[None]
-    for name, t in (("write", int(moves.argmax())), ("read", len(bounds) - 1)):
+    maps = [("write", int(moves.argmax()))]
+    if model.read_memory(model.initial_state(1)).shape[1]:
+        maps.append(("read", len(bounds) - 1))
+    for name, t in maps:
         state = model.initial_state(1)
         for a, b in bounds[:t]:
             _, state = model.run_segment(state, ids[:, a:b], None if mask is None else mask[:, a:b])
@@ -143,7 +160,8 @@ def memory_panels(
         )
         r, L = model.read_memory(state).shape[1], b - a
         if name == "write":
-            block, labels = probs[r + L :, : r + L], ("read memory | segment tokens", "write memory")
+            block = probs[r + L :, : r + L]
+            labels = ("read memory | segment tokens" if r else "segment tokens", "write memory")
         else:
             block, labels = probs[max(r, r + L - n_query) : r + L, :r], ("read memory", "last tokens")
         title = f"{'Writing' if name == 'write' else 'Reading'}: segment {t + 1}"

@@ -3,8 +3,13 @@
 Protocol (our `Llama` implements it natively; `HFBackbone` adapts any Hugging Face causal LM):
     hidden_size, vocab_size
     embed(input_ids) -> (B, T, D)
-    forward(inputs_embeds=..., position_ids=None, attention_mask=None, kv_cache=None) -> hidden (B, T, D)
+    forward(inputs_embeds=..., position_ids=None, attention_mask=None, kv_cache=None, residual_hook=None)
+        -> hidden (B, T, D)
     head(hidden) -> logits (..., V)
+
+The two per-layer hooks (`kv_cache` for Llama-XL, `residual_hook` for ARMT) need our Llama: Hugging Face models give
+no stable way into their layers, so `HFBackbone` refuses them; a Hugging Face Llama checkpoint loads into our Llama
+(`backbone.weights=<hub id or folder>`).
 """
 
 from __future__ import annotations
@@ -44,10 +49,13 @@ class HFBackbone(nn.Module):
         position_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
         kv_cache=None,
+        residual_hook=None,
     ) -> Tensor:
-        if kv_cache is not None:
+        if kv_cache is not None or residual_hook is not None:
             raise ConfigError(
-                "The per-layer KV-cache hook needs our Llama backbone (backbone=tiny|llama_83m|smollm2_135m)"
+                f"The per-layer {'KV-cache' if kv_cache is not None else 'residual-stream'} hook needs our Llama "
+                "backbone (backbone=tiny|llama_83m|smollm2_135m; a Hugging Face Llama loads into it with "
+                "backbone.weights=<hub id or folder>)"
             )
         if inputs_embeds is None:
             inputs_embeds = self.embed(input_ids)

@@ -2,9 +2,10 @@
 
 The module names mirror Hugging Face `LlamaForCausalLM` (minus its `model.` prefix), so weights move both ways
 with a prefix change (`from_hf_state_dict` / `to_hf_state_dict`). The backbone knows nothing of memory; it exposes
-what memory wrappers need: `inputs_embeds`, explicit `position_ids`, an attention mask, and `kv_cache`, a per-layer
-hook that prepends cached keys/values (see `KVCacheHook`). Optional L2 key normalisation and attention scale are
-the two architecture switches Llama-XL (Liu et al. 2024, App. D.2) needs.
+what memory wrappers need: `inputs_embeds`, explicit `position_ids`, an attention mask, and two per-layer hooks:
+`kv_cache` prepends cached keys/values (see `KVCacheHook`; Llama-XL), `residual_hook` sees and may change the
+residual stream at every layer boundary (see `ResidualHook`; ARMT). Optional L2 key normalisation and attention
+scale are the two architecture switches Llama-XL (Liu et al. 2024, App. D.2) needs.
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ class KVCacheHook(Protocol):
     last Tq of those for queries, with a bottom-right causal mask."""
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+class ResidualHook(Protocol):
+    """Per-layer residual-stream hook, called at every layer boundary i = 0..n_layers with the stream x (B, T, D):
+    before layer i (its input norm and attention) for i < n_layers, and after the last layer (before the final norm)
+    for i = n_layers, where x is also layer i-1's output. Returns the stream to go on with (x, or x plus something)."""
+
+    def __call__(self, layer: int, x: Tensor) -> Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -227,12 +236,14 @@ class Llama(nn.Module):
         position_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
         kv_cache: KVCacheHook | None = None,
+        residual_hook: ResidualHook | None = None,
     ) -> Tensor:
         """input_ids (B, T) or inputs_embeds (B, T, D) -> hidden (B, T, D).
 
         attention_mask: (B, T) 0/1 padding mask (combined with causal masking) or (B, 1, Tq, Tk) bool.
         position_ids: (B, T); default cumsum(mask) - 1, i.e. padding does not shift positions.
         kv_cache: per-layer hook prepending cached keys/values; positions then follow the cache (see KVCacheHook).
+        residual_hook: called at each layer boundary with the residual stream, returns it (see ResidualHook).
         """
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         B, T, _ = x.shape
@@ -253,7 +264,11 @@ class Llama(nn.Module):
             return masks[Tk]
 
         for i, layer in enumerate(self.layers):
+            if residual_hook is not None:
+                x = residual_hook(i, x)
             x = layer(x, position_ids, mask_for, kv_cache, i)
+        if residual_hook is not None:
+            x = residual_hook(len(self.layers), x)
         return self.norm(x)
 
     def logits(self, input_ids: Tensor, **kwargs) -> Tensor:

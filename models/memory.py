@@ -1,8 +1,10 @@
-"""Recurrent-memory state of RMT / RMT-R: the current memory M_{t-1} and, for RMT-R, the bank of past states.
+"""Recurrent-memory state of RMT / RMT-R / ARMT: the current memory M_{t-1}, for RMT-R the bank of past states,
+for ARMT the per-layer associative memory.
 
 Small typed objects instead of tuples of tensors (see CONVENTIONS: "Memory state is a small typed object").
 The bank keeps what retrieval needs of every past state [M_0 .. M_{t-1}]: its keys and values (B, S, D), S = t*m,
 plus a validity mask (B, S) (False for entries of rows that were padding in that segment or that restarted).
+The associative memory has a fixed size, however much was written (models/associative.py).
 """
 
 from __future__ import annotations
@@ -86,15 +88,47 @@ class MemoryBank:
 
 
 @dataclass
+class AssociativeMemory:
+    """ARMT's memory of every layer: matrices A (B, n_layers, F, D) and normalisers z (B, n_layers, F), float32."""
+
+    A: Tensor
+    z: Tensor
+
+    @classmethod
+    def empty(cls, batch_size: int, n_layers: int, n_features: int, dim: int, device) -> AssociativeMemory:
+        """Nothing written: A = 0, z = 0."""
+        return cls(
+            torch.zeros(batch_size, n_layers, n_features, dim, device=device),
+            torch.zeros(batch_size, n_layers, n_features, device=device),
+        )
+
+    def where(self, rows: Tensor, other: AssociativeMemory) -> AssociativeMemory:
+        """This memory in the rows where `rows` (B,) is True, `other` elsewhere."""
+        return AssociativeMemory(
+            torch.where(rows[:, None, None, None], self.A, other.A),
+            torch.where(rows[:, None, None], self.z, other.z),
+        )
+
+    def detach(self) -> AssociativeMemory:
+        return AssociativeMemory(self.A.detach(), self.z.detach())
+
+
+@dataclass
 class MemoryState:
-    """memory: M_{t-1} (B, m, D), the read/write memory of the next segment; bank: RMT-R's past states or None."""
+    """memory: M_{t-1} (B, m, D), the memory tokens carried to the next segment (ARMT: possibly none, m = 0);
+    bank: RMT-R's past states or None; associative: ARMT's per-layer associative memory or None."""
 
     memory: Tensor
     bank: MemoryBank | None = None
+    associative: AssociativeMemory | None = None
 
     def detach(self) -> MemoryState:
         """The same state cut from the autograd graph (truncated backprop through time)."""
-        return MemoryState(self.memory.detach(), None if self.bank is None else self.bank.detach())
+        return MemoryState(
+            self.memory.detach(),
+            None if self.bank is None else self.bank.detach(),
+            None if self.associative is None else self.associative.detach(),
+        )
 
     @property
     def batch_size(self) -> int:

@@ -18,8 +18,9 @@ Backprop through time with depth k2: the memory entering a segment is detached a
 k2 + 1 segments, blocks aligned to the last segment. So the answer (last segment) back-propagates through exactly
 k2 memory transitions, and no loss anywhere through more (k2 = -1: full BPTT; k2 = 0: every transition cut).
 
-Subclasses change three hooks: `initial_state`, `read_memory` (what precedes the segment) and `next_state`
-(RMT-R adds retrieval from a bank of past states; see models/rmt_retrieval.py).
+Subclasses change the hooks `initial_state`, `read_memory` (what precedes the segment), `write_memory` (what follows
+it), `next_state` and `restart_rows` (RMT-R adds retrieval from a bank of past states, models/rmt_retrieval.py; ARMT
+an associative memory in every layer, models/armt.py).
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ class RMT(nn.Module):
         """What precedes the segment's tokens: (B, r, D); RMT: M_{t-1} (r = m)."""
         return state.memory
 
+    def write_memory(self, state: MemoryState) -> Tensor:
+        """What follows the segment's tokens: (B, m, D), whose outputs are the new memory; RMT: M_{t-1}."""
+        return state.memory
+
     def next_state(self, state: MemoryState, new_memory: Tensor, has_tokens: Tensor) -> MemoryState:
         """State after a segment: new_memory (B, m, D) where the row had real tokens (B,), else unchanged."""
         return MemoryState(torch.where(has_tokens[:, None, None], new_memory, state.memory))
@@ -88,30 +93,37 @@ class RMT(nn.Module):
 
     # ---- one segment -----------------------------------------------------------------------------------
     def run_segment(
-        self, state: MemoryState, input_ids: Tensor, mask: Tensor | None, write: bool = True
+        self,
+        state: MemoryState,
+        input_ids: Tensor,
+        mask: Tensor | None,
+        write: bool = True,
+        **backbone_kwargs,
     ) -> tuple[Tensor, MemoryState | None]:
         """[read memory; tokens; write memory] through the backbone.
 
-        input_ids (B, L), mask (B, L) 0/1 or None (all real). Returns the tokens' hidden states (B, L, D) and the
-        next state (None when `write` is False, as when generating).
+        input_ids (B, L), mask (B, L) 0/1 or None (all real); backbone_kwargs go to the backbone (ARMT: its
+        per-layer hook). Returns the tokens' hidden states (B, L, D) and the next state (None when `write` is False,
+        as when generating).
         """
         read = self.read_memory(state)  # (B, r, D)
-        parts = [read, self.backbone.embed(input_ids)] + ([state.memory] if write else [])
+        parts = [read, self.backbone.embed(input_ids)] + ([self.write_memory(state)] if write else [])
         x = torch.cat(parts, 1)  # (B, r + L [+ m], D)
         r, L = read.shape[1], input_ids.shape[1]
         if mask is None or bool(mask.all()):
             attention_mask, positions = None, torch.arange(x.shape[1], device=x.device).expand(len(x), -1)
         else:
-            ones = mask.new_ones(len(x), r)
-            attention_mask = torch.cat([ones, mask] + ([ones[:, : self.num_memory]] if write else []), 1)
+            memory_mask = [mask.new_ones(len(x), self.num_memory)] if write else []
+            attention_mask = torch.cat([mask.new_ones(len(x), r), mask, *memory_mask], 1)
             positions = padding_position_ids(attention_mask)
-        hidden = self.backbone(inputs_embeds=x, position_ids=positions, attention_mask=attention_mask)
+        hidden = self.backbone(
+            inputs_embeds=x, position_ids=positions, attention_mask=attention_mask, **backbone_kwargs
+        )
         if not write:
             return hidden[:, r:], None
-        has_tokens = (
-            torch.ones(len(x), dtype=torch.bool, device=x.device) if mask is None else mask.bool().any(1)
+        return hidden[:, r : r + L], self.next_state(
+            state, hidden[:, r + L :], rows_with_tokens(input_ids, mask)
         )
-        return hidden[:, r : r + L], self.next_state(state, hidden[:, r + L :], has_tokens)
 
     def _step(self, state: MemoryState, input_ids: Tensor, mask: Tensor | None) -> tuple[Tensor, MemoryState]:
         if self.checkpoint_segments and self.training and torch.is_grad_enabled():
@@ -212,6 +224,13 @@ class RMT(nn.Module):
                 torch.cat([seg_mask, seg_mask.new_ones(len(ids), 1)], 1),
             )
         return out
+
+
+def rows_with_tokens(input_ids: Tensor, mask: Tensor | None) -> Tensor:
+    """(B,) True for the rows of a segment (B, L) with at least one real token."""
+    if mask is None:
+        return torch.ones(len(input_ids), dtype=torch.bool, device=input_ids.device)
+    return mask.bool().any(1)
 
 
 def _device_of(module: nn.Module) -> torch.device:

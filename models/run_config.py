@@ -50,6 +50,22 @@ def allowed_targets() -> frozenset[str]:
     return frozenset(t for path in CONFIGS.rglob("*.yaml") for t in pattern.findall(path.read_text()))
 
 
+# `_target_`s that configs/ named in earlier versions -> what replaced them: older checkpoints keep loading
+RENAMED_TARGETS = {"lightning.pytorch.callbacks.RichProgressBar": "callbacks.progress.StepProgressBar"}
+
+
+def renamed_targets(node):
+    """`node` (a plain container) with every retired `_target_` replaced by its successor."""
+    if isinstance(node, dict):
+        node = {k: renamed_targets(v) for k, v in node.items()}
+        if node.get("_target_") in RENAMED_TARGETS:
+            node["_target_"] = RENAMED_TARGETS[node["_target_"]]
+        return node
+    if isinstance(node, list):
+        return [renamed_targets(v) for v in node]
+    return node
+
+
 def check_targets(node, source, where: str = "") -> None:
     """Refuse any `_target_` in `node` (a plain, resolved container) that configs/ does not name."""
     if isinstance(node, dict):
@@ -72,7 +88,7 @@ def checkpoint_config(checkpoint: dict, path: str | Path) -> DictConfig:
             f"{path} holds no training config (checkpoint['config']): it was not written by this framework's "
             "train.py. Evaluate a pretrained model with backbone=... instead."
         )
-    config = OmegaConf.to_container(OmegaConf.create(checkpoint["config"]), resolve=True)
+    config = renamed_targets(OmegaConf.to_container(OmegaConf.create(checkpoint["config"]), resolve=True))
     check_targets(config, f"Checkpoint {path}")
     return OmegaConf.create(config)
 

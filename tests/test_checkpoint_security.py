@@ -13,7 +13,7 @@ from test_faults import compose_train, tiny_overrides
 from callbacks.checkpoint import UnsafeCheckpointError, load_checkpoint
 from callbacks.watch import watch
 from evaluate import CheckpointEvaluator, evaluate
-from models.run_config import UnsafeTargetError, allowed_targets
+from models.run_config import RENAMED_TARGETS, UnsafeTargetError, allowed_targets, checkpoint_config
 from train import train
 
 
@@ -104,3 +104,15 @@ def test_a_checkpoint_that_unpickles_code_is_refused(good, tmp_path):
     with pytest.raises(UnsafeCheckpointError):
         evaluate(compose_eval([f"ckpt_path={evil}", "logger=csv"]))
     assert not victim.exists()
+
+
+def test_a_checkpoint_of_an_earlier_version_loads_with_the_successors_of_retired_targets(good):
+    """Checkpoints written before callbacks.progress replaced Lightning's RichProgressBar still evaluate/resume."""
+    checkpoint = load_checkpoint(good)
+    checkpoint["config"]["callbacks"]["progress_bar"] = {
+        "_target_": "lightning.pytorch.callbacks.RichProgressBar"
+    }
+    config = checkpoint_config(checkpoint, good)
+    assert config.callbacks.progress_bar._target_ == "callbacks.progress.StepProgressBar"
+    assert set(RENAMED_TARGETS.values()) <= allowed_targets()
+    assert not set(RENAMED_TARGETS) & allowed_targets()  # a retired target is not named by configs/ any more

@@ -71,7 +71,7 @@ def rmt_checkpoint(tmp_path_factory) -> Path:
         (["task.seq_lenn=3"], "task.seq_lenn=3: unknown key; did you mean task.seq_len=3?"),
         (
             ["model=rmtt"],
-            "model=rmtt: no such option; did you mean model=rmt? Valid model options: llama, llama_xl, rmt, rmt_r.",
+            "model=rmtt: no such option; did you mean model=rmt? Valid model options: armt, llama, llama_xl, rmt, rmt_r.",
         ),
         (["trainer.max_steps=["], "Cannot read the override 'trainer.max_steps=['"),
     ],
@@ -136,7 +136,9 @@ def test_pretrain_bad_input_exits_with_one_message(monkeypatch):
     got = run_cli(monkeypatch, pretrain_main, "train", "model=rmt_r", "task=qa1", "trainer.max_step=3")
     assert got == "Error: trainer.max_step=3: unknown key; did you mean trainer.max_steps=3?"
     got = run_cli(monkeypatch, pretrain_main, "train", "experiment=tiny_lm", "backbone_init=warm_start")
-    assert got.startswith("Error: backbone_init=warm_start pretrains the backbone on a BABILong task's stories")
+    assert got.startswith(
+        "Error: backbone_init=warm_start pretrains the backbone on a BABILong task's stories"
+    )
 
 
 def subprocess_run(*args: str, **env: str) -> subprocess.CompletedProcess:

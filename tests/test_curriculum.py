@@ -208,12 +208,13 @@ def test_every_task_and_curriculum_config_builds_a_datamodule(tok):
         for curriculum, schedule in [
             ("rmt", (1, 2, 4, 6, 8, 16, 32)),
             ("rmt_r", (2, 4, 6, 8, 16, 32)),
+            ("armt", (1, 2, 4, 6, 8, 16, 32)),
             ("fixed", (4,)),
             ("llama", (4,)),
             ("llama_xl", (4,)),
         ]:
             dm = build_from_config(tok, "qa1", curriculum)
-            staged = curriculum.startswith("rmt")
+            staged = curriculum in ("rmt", "rmt_r", "armt")
             assert dm.schedule == schedule and dm.val_names[-1] == f"qa1/acc@{schedule[-1]}seg"
             assert dm.mixed_length_ratio == (0.0 if staged else 1.0)
             callbacks = [type(c).__name__ for c in dm.callbacks()]

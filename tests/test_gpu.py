@@ -1,7 +1,8 @@
 """The code paths that differ on CUDA, against CPU float32 references: our Llama's attention paths (SDPA causal /
 bool mask / ALiBi float mask, grouped-query) in float32 and under bf16 autocast, RMT / RMT-R losses and gradients,
 RMT-R streaming with its in-place memory bank, Llama-XL streaming, greedy generation, LongCE, and train.py /
-evaluate.py end to end with the auto precision (bf16-mixed on CUDA).
+evaluate.py end to end with the auto precision (bf16-mixed on CUDA). ARMT joins the RMT loss, device and LongCE
+tests, and streams under bf16 autocast with its associative memory in float32.
 
 Run on a CUDA machine with `pytest -m gpu`; without CUDA they skip. Every test takes its device from the `device`
 fixture, so the same comparisons dry-run on a CPU (against the CPU itself) with
@@ -30,7 +31,7 @@ from tests.test_llama_xl import xl_model
 from tests.test_longce import recurrent_model
 from tests.test_rmt import V, lm_batch, tiny_backbone
 from tests.test_train_models import QA1, QUICK, TINY_BACKBONE
-from tests.tiny_models import VOCAB, tiny_llama_lm
+from tests.tiny_models import VOCAB, active_armt, tiny_llama_lm
 from train import train
 
 pytestmark = pytest.mark.gpu
@@ -145,7 +146,7 @@ def rmt_loss_and_grads(model: RMT, batch: dict, device: str) -> tuple[Tensor, di
 
 @pytest.mark.parametrize("padded", [False, True], ids=["no_pad", "left_pad"])
 @pytest.mark.parametrize("k2,ckpt", [(-1, False), (1, False), (1, True)], ids=["bptt", "k2=1", "k2=1-ckpt"])
-@pytest.mark.parametrize("cls", [RMT, RMTRetrieval], ids=["rmt", "rmt_r"])
+@pytest.mark.parametrize("cls", [RMT, RMTRetrieval, active_armt], ids=["rmt", "rmt_r", "armt"])
 def test_rmt_loss_and_gradients_match_cpu(device, cls, k2, ckpt, padded):
     torch.manual_seed(0)
     model = cls(tiny_backbone(), num_memory=2, segment_size=4, k2=k2, checkpoint_segments=ckpt)
@@ -182,13 +183,30 @@ def test_rmt_r_streaming_matches_cpu_and_keeps_its_bank_on_the_device(device):
 
 
 def test_memory_wrapped_around_a_backbone_already_on_the_device(device):
-    """RMT / RMT-R built around a backbone that is on the device: the memory is made there, the loss is finite."""
+    """RMT / RMT-R / ARMT built around a backbone on the device: the memory is made there, the loss is finite."""
     torch.manual_seed(0)
-    for cls in (RMT, RMTRetrieval):
+    for cls in (RMT, RMTRetrieval, active_armt):
         model = cls(tiny_backbone().to(device), num_memory=2, segment_size=4)
         assert model.memory.device.type == kind(device)
+        if cls is active_armt:
+            assert model.initial_state(2).associative.A.device.type == kind(device)
         out = model(batch_on(device, lm_batch(torch.randint(0, V, (2, 10)))))
         assert torch.isfinite(F.cross_entropy(out.logits.float(), out.targets))
+
+
+def test_armt_streams_in_bf16_autocast_with_a_float32_memory(device):
+    """Under bf16 autocast the associative memory stays float32 (it accumulates over the whole stream), and 20
+    segments of logits stay within bf16 tolerance of the CPU's float32."""
+    torch.manual_seed(0)
+    model = active_armt(tiny_backbone(), num_memory=2, segment_size=4).eval()
+    ids = torch.randint(0, V, (2, 20 * 4))
+    expected = torch.cat(list(model.iter_logits(ids)), 1)
+    model, ids = on(device, model), ids.to(device)
+    with torch.no_grad(), torch.autocast(kind(device), torch.bfloat16):
+        got = torch.cat(list(model.iter_logits(ids)), 1)
+        _, state = model.run_segment(model.initial_state(2), ids[:, :4], None)
+    assert state.associative.A.dtype == state.associative.z.dtype == torch.float32
+    assert_relative_error(got, expected, BF16_LOGITS, "logits")
 
 
 def test_cached_keys_without_a_padding_mask_match_cpu(device):
@@ -249,7 +267,7 @@ def test_greedy_generation_matches_cpu(device, name):
 
 
 # ---- LongCE ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["causal_lm", "rmt", "rmt_r", "llama_xl"])
+@pytest.mark.parametrize("name", ["causal_lm", "rmt", "rmt_r", "armt", "llama_xl"])
 def test_longce_loss_and_gradients_match_cpu(device, name):
     """The weights' no-grad short-context pass takes other code paths on CUDA (one-pass log-softmax)."""
     model = tiny_llama_lm(window=24, seed=3, init_std=0.3) if name == "causal_lm" else recurrent_model(name)

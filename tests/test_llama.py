@@ -103,6 +103,23 @@ def test_inputs_embeds_equal_input_ids():
     torch.testing.assert_close(model(inputs_embeds=model.embed(ids)), model(ids))
 
 
+def test_residual_hook_sees_every_layer_boundary():
+    """The hook gets the stream entering each layer and, last, the last layer's output (before the final norm);
+    what it returns is what the layer gets: adding d before layer 0 is the same as adding d to the embeddings."""
+    torch.manual_seed(0)
+    model = Llama(tiny_cfg()).eval()
+    ids = torch.randint(0, 97, (2, 9))
+    seen = []
+    out = model(ids, residual_hook=lambda i, x: seen.append((i, x)) or x)
+    assert [i for i, _ in seen] == [0, 1, 2]
+    torch.testing.assert_close(seen[0][1], model.embed(ids))
+    torch.testing.assert_close(out, model(ids))
+    torch.testing.assert_close(model.norm(seen[-1][1]), out)
+    d = torch.randn(64)
+    shifted = model(ids, residual_hook=lambda i, x: x + d if i == 0 else x)
+    torch.testing.assert_close(shifted, model(inputs_embeds=model.embed(ids) + d))
+
+
 def test_bad_config_is_explained():
     with pytest.raises(ValueError, match="divisible by n_kv_heads"):
         tiny_cfg(n_kv_heads=3)

@@ -21,7 +21,7 @@ from models.llama_xl import build_llama_xl
 from models.rmt import RMT
 from models.rmt_retrieval import RMTRetrieval
 from tests.test_train import TINY, compose_train
-from tests.tiny_models import VOCAB, TinyCausalLM, brute_force_logprobs, tiny_llama_lm
+from tests.tiny_models import VOCAB, TinyCausalLM, active_armt, brute_force_logprobs, tiny_llama_lm
 from train import train
 
 B, T, K, D = 3, 30, 6, 4
@@ -267,10 +267,11 @@ def recurrent_model(name: str) -> torch.nn.Module:
     )
     if name == "llama_xl":
         return build_llama_xl(Llama(LlamaConfig(**cfg, key_norm=True, attn_scale=1.0)), segment_size=8)
-    return {"rmt": RMT, "rmt_r": RMTRetrieval}[name](Llama(LlamaConfig(**cfg)), num_memory=4, segment_size=8)
+    builder = {"rmt": RMT, "rmt_r": RMTRetrieval, "armt": active_armt}[name]
+    return builder(Llama(LlamaConfig(**cfg)), num_memory=4, segment_size=8)
 
 
-@pytest.mark.parametrize("name", ["rmt", "rmt_r", "llama_xl"])
+@pytest.mark.parametrize("name", ["rmt", "rmt_r", "armt", "llama_xl"])
 def test_recurrent_short_context_is_each_segment_alone_and_keeps_the_stream(name):
     model = recurrent_model(name)
     gen = torch.Generator().manual_seed(3)

@@ -1,5 +1,7 @@
-"""RMT (and the segment machinery RMT-R shares): exactness against hand-built computations, padding, truncated
-BPTT, streaming, and a recall task that needs the memory."""
+"""RMT (and the segment machinery RMT-R and ARMT share): exactness against hand-built computations, padding,
+truncated BPTT, streaming, and a recall task that needs the memory."""
+
+from functools import partial
 
 import pytest
 import torch
@@ -7,14 +9,21 @@ import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from callbacks.memory_maps import attention_maps, attention_probs, memory_figure, memory_panels, memory_states
+from models.armt import ARMT
 from models.backbone import HFBackbone
 from models.llama import Llama, LlamaConfig
 from models.rmt import RMT, build_rmt
 from models.rmt_retrieval import RMTRetrieval
 from tests.figures import assert_texts_inside
+from tests.tiny_models import active_armt
 
 V = 61
-MODELS = [RMT, RMTRetrieval]
+MODELS = [
+    pytest.param(RMT, id="rmt"),
+    pytest.param(RMTRetrieval, id="rmt_r"),
+    pytest.param(active_armt, id="armt"),  # the paper's layout: [X_t; M], memory only in A, z
+    pytest.param(partial(active_armt, rmt_tokens=True), id="armt_rmt_tokens"),
+]
 
 
 def tiny_backbone(vocab_size: int = V, hidden: int = 32, layers: int = 2, alibi: bool = False) -> Llama:
@@ -120,7 +129,10 @@ def test_gradients_stop_exactly_at_depth_k2(cls, k2, checkpoint):
         grad = model.backbone.embed_tokens.weight.grad.view(n, L, -1)
         got = grad.abs().sum((1, 2)) > 0
         assert got.tolist() == expected[t].tolist(), f"loss at segment {t}"
-        assert (model.memory.grad is not None and bool(model.memory.grad.any())) == bool(expected[t, 0])
+        # M_0 enters segment 0, or (ARMT's layout) every segment's write tokens, read from the next segment on
+        paper_armt = isinstance(model, ARMT) and not model.rmt_tokens
+        m0_reaches = expected[t, :t].any() if paper_armt else expected[t, 0]
+        assert (model.memory.grad is not None and bool(model.memory.grad.any())) == bool(m0_reaches)
 
 
 def test_checkpointing_gives_the_same_gradients():
@@ -276,12 +288,17 @@ def test_memory_panels_and_their_one_figure():
     model = RMT(tiny_backbone(), num_memory=2, segment_size=4).eval()
     ids = torch.randint(0, V, (14,))
     states = memory_states(model, ids)
-    assert states.shape == (5, 2, 32)
-    torch.testing.assert_close(states[0], model.memory)
+    assert states.shape == (5, 2 * 32)
+    torch.testing.assert_close(states[0], model.memory.flatten())
     panels = memory_panels(model, ids, torch.ones_like(ids))
     assert set(panels) == {"distance", "write", "read"}
     assert panels["distance"].values.shape == (5, 5)
     assert panels["read"].values.shape == (4, 2)  # last segment's tokens x read memory
+    armt = active_armt(
+        tiny_backbone(), num_memory=2, segment_size=4
+    ).eval()  # the paper's layout: no read memory
+    armt_panels = memory_panels(armt, ids)
+    assert set(armt_panels) == {"distance", "write"} and armt_panels["write"].xlabel == "segment tokens"
     hf = RMT(tiny_gpt2(), num_memory=2, segment_size=4).eval()
     hf_panels = memory_panels(hf, ids)
     assert set(hf_panels) == {"distance"}

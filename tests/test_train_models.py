@@ -1,4 +1,4 @@
-"""`python train.py model=... task=...` end to end for the memory models: RMT and RMT-R on BABILong with the
+"""`python train.py model=... task=...` end to end for the memory models: RMT, RMT-R and ARMT on BABILong with the
 curriculum, Llama-XL on ordered LM streams, each with CE and LongCE; the run's checkpoint and figures land."""
 
 import math
@@ -24,7 +24,7 @@ QA1 = [
 ]
 
 
-@pytest.mark.parametrize("model,loss", [("rmt", "ce"), ("rmt_r", "longce")], ids=["rmt-ce", "rmt_r-longce"])
+@pytest.mark.parametrize("model,loss", [("rmt", "ce"), ("rmt_r", "longce"), ("armt", "longce")])
 def test_memory_models_train_on_babilong_and_draw_memory_maps(tmp_path, model, loss):
     cfg = compose_train(
         [f"model={model}", f"loss={loss}", *TINY_BACKBONE, *QA1, *QUICK, f"run_dir={tmp_path}"]

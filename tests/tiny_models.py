@@ -1,4 +1,5 @@
-"""Tiny models shared by the tests: reference causal LMs and tiny task models (our Llama, a Hugging Face Llama)."""
+"""Tiny models shared by the tests: reference causal LMs and tiny task models (our Llama, a Hugging Face Llama,
+ARMT with its memory switched on)."""
 
 import math
 
@@ -7,6 +8,7 @@ from torch import nn
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
+from models.armt import ARMT
 from models.backbone import HFBackbone, build_llama
 from models.lm import CausalLM
 
@@ -89,3 +91,11 @@ def tiny_hf_llama_lm(vocab_size: int = VOCAB, window: int = 64, seed: int = 0) -
         torch.manual_seed(seed)
         hf = LlamaForCausalLM(config)
     return CausalLM(HFBackbone(hf), window=window).eval()
+
+
+def active_armt(backbone: nn.Module, rmt_tokens: bool = False, **kwargs) -> ARMT:
+    """ARMT whose associative memory acts from the start: W_V random (it starts at zero, which keeps A = 0)."""
+    model = ARMT(backbone, rmt_tokens=rmt_tokens, **kwargs)
+    for memory in model.layer_memories:
+        nn.init.normal_(memory.v_proj.weight, std=0.3)
+    return model
