@@ -182,7 +182,7 @@ def test_associative_memory_carries_a_fact_across_segments():
     model = ARMT(tiny_backbone(vocab_size=2 * n_values + 1), num_memory=2, segment_size=L, d_mem=8)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
-    for _ in range(150):
+    for _ in range(300):  # seed 0 passes 0.9 after ~150 steps and is at 1.0 from 200 on
         batch = recall_batch(32, L, n_values, gen)
         out = model(batch)
         loss = F.cross_entropy(out.logits, out.targets)
