@@ -17,6 +17,7 @@ mode; see `ppl` and `babilong` below). Results go to `<ckpt>.eval/<evaluator>/` 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import math
@@ -98,13 +99,29 @@ def babilong(
     seed: int = 0,
     official: str | None = None,
     answer_prompt: str = "Answer:",
+    memory: str = "carried",
 ) -> dict[str, float]:
     """BABILong exact-match accuracy over tasks x context lengths (0 = facts only): `n` test samples per cell with
     background from the corpus' test split (or the `official` RMT-team/babilong data). Writes babilong.json and
-    the heat map heatmap.png; returns `babilong/<task>/acc@<length>` and `babilong/acc` (mean over cells)."""
+    the heat map heatmap.png; returns `babilong/<task>/acc@<length>` and `babilong/acc` (mean over cells).
+
+    memory="reset": the ablation of a memory model (RMT, RMT-R, ARMT): its memory is reset every segment, so facts
+    before the question's segment are out of reach; writes babilong_reset.json, heatmap_reset.png and returns
+    `babilong_reset/...`."""
     from data.babilong import length_name
     from data.curriculum import BabilongDataModule
 
+    if memory not in ("carried", "reset"):
+        raise ConfigError(
+            f"eval.babilong.memory={memory}: use carried (the model as trained) or reset (ablation)."
+        )
+    reset = memory == "reset"
+    if reset and "recurrent" not in inspect.signature(model.forward).parameters:
+        raise ConfigError(
+            f"eval.babilong.memory=reset resets a memory model's memory every segment; {type(model).__name__} has no "
+            "memory to reset. Use an RMT, RMT-R or ARMT checkpoint, or memory=carried."
+        )
+    name = "babilong_reset" if reset else "babilong"
     device = next(model.parameters()).device
     table: dict[str, dict[str, float]] = {}
     for task in tasks:
@@ -123,18 +140,60 @@ def babilong(
             hits, total = 0.0, 0
             for batch in track(loader, f"babilong {task} @ {length_name(length)}"):
                 batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-                out = model(batch)
+                out = model(batch, recurrent=False) if reset else model(batch)
                 hits += exact_match(out.logits, out.targets, batch).sum().item()
                 total += len(batch["input_ids"])
             table.setdefault(task, {})[length_name(length)] = hits / total
     write_json(
-        Path(out_dir) / "babilong.json", {"n": n, "seed": seed, "official": official, "accuracy": table}
+        Path(out_dir) / f"{name}.json",
+        {"n": n, "seed": seed, "official": official, "memory": memory, "accuracy": table},
     )
     plot_accuracy_heatmap(
-        table, Path(out_dir) / "heatmap.png", title=f"BABILong accuracy ({n} samples a cell)"
+        table,
+        Path(out_dir) / ("heatmap_reset.png" if reset else "heatmap.png"),
+        title=f"BABILong accuracy ({n} samples a cell{', memory reset every segment' if reset else ''})",
     )
-    metrics = {f"babilong/{t}/acc@{s}": acc for t, row in table.items() for s, acc in row.items()}
-    return metrics | {"babilong/acc": sum(metrics.values()) / len(metrics)}
+    metrics = {f"{name}/{t}/acc@{s}": acc for t, row in table.items() for s, acc in row.items()}
+    return metrics | {f"{name}/acc": sum(metrics.values()) / len(metrics)}
+
+
+@torch.no_grad()
+def memory_maps(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    corpus: Corpus,
+    out_dir: Path,
+    task: str = "qa1",
+    length: int = 2048,
+    n_samples: int = 2,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Figure 10 of Kuratov et al. 2024 for a memory model (RMT, RMT-R, ARMT) on the first `n_samples` BABILong
+    test samples of `length` context tokens: memory_maps.png (distances of memory states, write/read attention).
+    Returns the number of segments drawn per sample."""
+    from callbacks.memory_maps import memory_figure, memory_panels
+    from data.curriculum import BabilongDataModule
+    from models.rmt import RMT
+
+    if not isinstance(model, RMT):
+        raise ConfigError(
+            f"eval=[memory_maps] draws the memory of RMT, RMT-R or ARMT; got {type(model).__name__}."
+        )
+    data = BabilongDataModule(
+        tokenizer,
+        corpus,
+        task=task,
+        n_test=n_samples,
+        test_lengths=(length,),
+        eval_batch_size=n_samples,
+        eval_seed=seed,
+    )
+    batch = next(iter(data.test_dataloader()[0]))
+    device = next(model.parameters()).device
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    samples = [memory_panels(model, ids[i], mask[i]) for i in range(len(ids))]
+    memory_figure(samples).savefig(Path(out_dir) / "memory_maps.png", dpi=100)
+    return {"memory_maps/segments": len(samples[0]["distance"].values) - 1}
 
 
 # ---- running evaluators -------------------------------------------------------------------------------

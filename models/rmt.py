@@ -178,8 +178,9 @@ class RMT(nn.Module):
             self._carried[self.training] = state.detach()
         return torch.cat(hiddens)[torch.cat(keys).argsort()]
 
-    def forward(self, batch: dict) -> ModelOutput:
-        hidden = self.scored_hidden(batch)
+    def forward(self, batch: dict, recurrent: bool = True) -> ModelOutput:
+        """Logits at the scored positions; recurrent=False resets the memory every segment (an ablation)."""
+        hidden = self.scored_hidden(batch, recurrent)
         return ModelOutput(self.backbone.head(hidden), batch["labels"][scored_positions(batch["labels"])])
 
     @torch.no_grad()

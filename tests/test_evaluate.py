@@ -14,11 +14,13 @@ from torch import nn
 
 from data.corpus import Corpus, Document
 from data.tokenizer import build_tokenizer
-from evaluate import babilong, evaluate, ppl, wandb_run_id
+from evaluate import babilong, evaluate, memory_maps, ppl, wandb_run_id
 from models.backbone import build_llama
 from models.builders import build_run
+from models.config_errors import ConfigError
 from models.lm import CausalLM
 from models.outputs import ModelOutput, scored_positions
+from models.rmt import RMT
 
 WORDS = "red green blue small large old new quiet loud bright".split()
 PLACES = "garden kitchen office hallway bedroom bathroom park station".split()
@@ -154,6 +156,29 @@ def test_babilong_grid_scores_each_task_and_length(tmp_path, cache):
     saved = json.loads((tmp_path / "babilong.json").read_text())
     assert saved["accuracy"] == {"qa1": {"0k": 1.0, "200": 1.0}, "qa2": {"0k": 0.0, "200": 0.0}}
     assert (tmp_path / "heatmap.png").stat().st_size > 0
+
+
+def test_babilong_memory_reset_runs_the_ablation_and_refuses_models_without_memory(tmp_path, cache):
+    tokenizer = build_tokenizer()
+    model = RMT(build_llama(tokenizer.vocab_size, 32, 1, 2, 2, 64, 512), num_memory=2, segment_size=64).eval()
+    kwargs = dict(tasks=("qa1",), lengths=(0, 200), n=4, batch_size=2)
+    reset = babilong(model, tokenizer, tiny_corpus(), tmp_path, memory="reset", **kwargs)
+    assert set(reset) == {"babilong_reset/qa1/acc@0k", "babilong_reset/qa1/acc@200", "babilong_reset/acc"}
+    assert json.loads((tmp_path / "babilong_reset.json").read_text())["memory"] == "reset"
+    assert (tmp_path / "heatmap_reset.png").is_file() and not (tmp_path / "babilong.json").exists()
+    with pytest.raises(ConfigError, match="Oracle has no memory to reset"):
+        babilong(Oracle(tokenizer.vocab_size), tokenizer, tiny_corpus(), tmp_path, memory="reset", **kwargs)
+    with pytest.raises(ConfigError, match="memory=forgetful: use carried"):
+        babilong(model, tokenizer, tiny_corpus(), tmp_path, memory="forgetful", **kwargs)
+
+
+def test_memory_maps_draws_figure_10_of_a_memory_model(tmp_path, cache):
+    tokenizer = build_tokenizer()
+    model = RMT(build_llama(tokenizer.vocab_size, 32, 1, 2, 2, 64, 512), num_memory=2, segment_size=64).eval()
+    metrics = memory_maps(model, tokenizer, tiny_corpus(), tmp_path, length=256, n_samples=2)
+    assert metrics["memory_maps/segments"] >= 256 // 64 and (tmp_path / "memory_maps.png").stat().st_size > 0
+    with pytest.raises(ConfigError, match="got Oracle"):
+        memory_maps(Oracle(tokenizer.vocab_size), tokenizer, tiny_corpus(), tmp_path)
 
 
 def write_folder_corpus(folder: Path) -> Path:

@@ -181,6 +181,23 @@ def test_stream_mode_carries_memory_and_resets_rows(cls):
     torch.testing.assert_close(second[1], model(lm_batch(ids[1:, 4:])).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cls", MODELS)
+def test_memory_reset_every_segment_sees_only_the_segment(cls):
+    """recurrent=False (eval.babilong.memory=reset): a segment's logits are those of the segment alone, whatever
+    came before; with memory carried they depend on the earlier segments."""
+    torch.manual_seed(0)
+    model = cls(tiny_backbone(), num_memory=2, segment_size=4).eval()
+    ids = torch.randint(0, V, (2, 12))
+    other = torch.cat([torch.randint(0, V, (2, 8)), ids[:, 8:]], 1)  # other first two segments, same last one
+    batch, last = lm_batch(ids), lm_batch(ids[:, 8:])
+    for b in (batch, lm_batch(other)):
+        b["labels"][:, :8] = -100  # score the last segment only
+        torch.testing.assert_close(model(b, recurrent=False).logits, model(last).logits, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(
+        model(batch).logits, model(lm_batch(other) | {"labels": batch["labels"]}).logits
+    )
+
+
 def recall_batch(n: int, L: int, n_values: int, gen: torch.Generator) -> dict:
     """Segment 1: filler with one value token at a random place; segment 2: filler, then a query; target = value."""
     filler = torch.randint(n_values + 1, 2 * n_values + 1, (n, 2 * L), generator=gen)
