@@ -166,12 +166,16 @@ def memory_maps(
     task: str = "qa1",
     length: int = 2048,
     n_samples: int = 2,
+    n_stats: int = 50,
     seed: int = 0,
 ) -> dict[str, float]:
-    """Figure 10 of Kuratov et al. 2024 for a memory model (RMT, RMT-R, ARMT) on the first `n_samples` BABILong
-    test samples of `length` context tokens: memory_maps.png (distances of memory states, write/read attention).
-    Returns the number of segments drawn per sample."""
-    from callbacks.memory_maps import memory_figure, memory_panels
+    """Figure 10 of Kuratov et al. 2024 for a memory model (RMT, RMT-R, ARMT) on BABILong test samples of `length`
+    context tokens: memory_maps.png draws the first `n_samples` (distances of memory states, the states after a
+    fact dotted; write/read attention). Over the first `n_stats` samples it measures whether memory changes at the
+    facts: `move_ratio_at_facts`, the mean ||M_t - M_{t-1}|| of segments holding a fact over that of background
+    segments, and `top_move_at_fact`, the share of samples whose largest move is at a fact segment."""
+    from callbacks.memory_maps import fact_segments, memory_figure, memory_moves, memory_panels, memory_states
+    from data.babilong import length_name
     from data.curriculum import BabilongDataModule
     from models.rmt import RMT
 
@@ -179,21 +183,35 @@ def memory_maps(
         raise ConfigError(
             f"eval=[memory_maps] draws the memory of RMT, RMT-R or ARMT; got {type(model).__name__}."
         )
-    data = BabilongDataModule(
-        tokenizer,
-        corpus,
-        task=task,
-        n_test=n_samples,
-        test_lengths=(length,),
-        eval_batch_size=n_samples,
-        eval_seed=seed,
-    )
-    batch = next(iter(data.test_dataloader()[0]))
+    n = max(n_samples, n_stats)
+    dataset = BabilongDataModule(tokenizer, corpus, task=task, n_test=n, eval_seed=seed).test_set(length)
     device = next(model.parameters()).device
-    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-    samples = [memory_panels(model, ids[i], mask[i]) for i in range(len(ids))]
-    memory_figure(samples).savefig(Path(out_dir) / "memory_maps.png", dpi=100)
-    return {"memory_maps/segments": len(samples[0]["distance"].values) - 1}
+    panels, at_fact, elsewhere, top = [], [], [], []
+    for i in track(range(len(dataset)), f"memory maps {task} @ {length_name(length)}"):
+        ids = dataset[i].input_ids
+        facts = fact_segments(ids, dataset.tasks.facts[dataset.indices[i]], model.segment_bounds(len(ids)))
+        ids = torch.from_numpy(ids).to(device)
+        if i < n_samples:
+            panels.append(memory_panels(model, ids, facts=tuple(facts)))
+        if i < n_stats:
+            moves = memory_moves(memory_states(model, ids)).cpu()
+            is_fact = torch.zeros(len(moves), dtype=torch.bool)
+            is_fact[torch.tensor(facts) - 1] = True
+            at_fact.append(moves[is_fact])
+            elsewhere.append(moves[~is_fact])
+            top.append(bool(is_fact[moves.argmax()]))
+    memory_figure(panels).savefig(Path(out_dir) / "memory_maps.png", dpi=100)
+    metrics = {"memory_maps/segments": len(model.segment_bounds(len(dataset[0].input_ids)))}
+    if at_fact:
+        background = torch.cat(elsewhere)
+        metrics |= {
+            "memory_maps/move_ratio_at_facts": float(torch.cat(at_fact).mean() / background.mean())
+            if len(background)
+            else float("nan"),
+            "memory_maps/top_move_at_fact": sum(top) / len(top),
+        }
+    write_json(Path(out_dir) / "memory_maps.json", {"task": task, "length": length, "seed": seed} | metrics)
+    return metrics
 
 
 # ---- running evaluators -------------------------------------------------------------------------------

@@ -58,6 +58,11 @@ def memory_states(model: RMT, input_ids: Tensor, attention_mask: Tensor | None =
     return torch.stack(states)
 
 
+def memory_moves(states: Tensor) -> Tensor:
+    """How far each segment moves memory: ||M_t - M_{t-1}|| for t = 1..n, (n,), from states (n + 1, N)."""
+    return (states[1:] - states[:-1]).norm(dim=-1)
+
+
 @dataclass
 class Panel:
     """One heat map of Figure 10: values (rows, cols) and its labels."""
@@ -69,21 +74,41 @@ class Panel:
     label: str  # of the colour bar
     cmap: str
     integer_ticks: bool = False
+    marks: tuple[int, ...] = ()  # rows and columns to mark (memory states written after a fact)
 
 
-def distance_panel(states: Tensor) -> Panel:
-    """Distances (n + 1, n + 1) between flattened memory states (n + 1, m, D)."""
+def distance_panel(states: Tensor, facts: tuple[int, ...] = ()) -> Panel:
+    """Distances (n + 1, n + 1) between flattened memory states (n + 1, m, D); `facts`: the states M_t written
+    after a segment holding a fact, marked with dotted lines."""
     flat = states.flatten(1)
     dist = torch.cdist(flat[None], flat[None])[0].cpu().numpy()
     return Panel(
         dist,
-        "Memory states: L2 distance",
+        "Memory states: L2 distance" + (" (dotted: after a fact)" if facts else ""),
         "memory state t",
         "memory state t",
         "distance (red = similar)",
         "coolwarm_r",
         integer_ticks=True,
+        marks=tuple(facts),
     )
+
+
+def fact_segments(input_ids: np.ndarray, facts: list[np.ndarray], bounds: list[tuple[int, int]]) -> list[int]:
+    """1-based index t of the segment holding the first token of each fact (in order) in a sample's ids (T,):
+    memory state M_t is the first written after it. Facts are found as token subsequences, in story order."""
+    found, start = [], 0
+    for fact in facts:
+        hits = [
+            int(i)
+            for i in np.flatnonzero(input_ids[start:] == fact[0]) + start
+            if np.array_equal(input_ids[i : i + len(fact)], fact)
+        ]
+        if not hits:
+            raise ValueError(f"fact {fact.tolist()} is not in the sample after position {start}")
+        start = hits[0] + len(fact)
+        found.append(next(t for t, (a, b) in enumerate(bounds, 1) if a <= hits[0] < b))
+    return found
 
 
 def attention_probs(attn: Attention, x: Tensor, positions: Tensor, mask_for) -> Tensor:
@@ -132,20 +157,25 @@ def attention_maps(model: RMT, state: MemoryState, input_ids: Tensor, mask: Tens
 
 @torch.no_grad()
 def memory_panels(
-    model: RMT, input_ids: Tensor, attention_mask: Tensor | None = None, n_query: int = 16
+    model: RMT,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    n_query: int = 16,
+    facts: tuple[int, ...] = (),
 ) -> dict[str, Panel]:
-    """Figure 10 for one sample (T,): {"distance", and with our Llama "write", "read"}.
+    """Figure 10 for one sample (T,): {"distance", and with our Llama "write", "read"}; `facts` (`fact_segments`)
+    marks the memory states written after a fact.
 
     write: the write memory of the segment where memory moved most, over [read memory; tokens].
     read: the last `n_query` tokens of the last segment (question and answer) over the read memory (none without
     read memory: ARMT's paper layout).
     """
     states = memory_states(model, input_ids, attention_mask)
-    panels = {"distance": distance_panel(states)}
+    panels = {"distance": distance_panel(states, facts)}
     if not isinstance(model.backbone, Llama):
         return panels
     bounds = model.segment_bounds(len(input_ids))
-    moves = (states[1:] - states[:-1]).norm(dim=-1)  # (n,) how far each segment moved memory
+    moves = memory_moves(states)  # (n,)
     ids, mask = input_ids[None], None if attention_mask is None else attention_mask[None]
     maps = [("write", int(moves.argmax()))]
     if model.read_memory(model.initial_state(1)).shape[1]:
@@ -185,6 +215,9 @@ def memory_figure(samples: list[dict[str, Panel]]) -> Figure:
             if panel.integer_ticks:
                 for axis in (ax.xaxis, ax.yaxis):
                     axis.set_major_locator(MaxNLocator(integer=True))
+            for t in panel.marks:
+                ax.axvline(t, color="black", lw=0.8, ls=":")
+                ax.axhline(t, color="black", lw=0.8, ls=":")
             fig.colorbar(image, ax=ax, label=panel.label)
     return fig
 

@@ -343,16 +343,16 @@ class BabilongDataModule(L.LightningDataModule):
         ]
         return by_segments + by_length
 
+    def test_set(self, length: int) -> Dataset:
+        """The `n_test` test samples with `length` context tokens: the official rows, or generated ones (a
+        `HaystackSet`: sample i is fixed by eval_seed)."""
+        if self.official:
+            rows = load_official(self.official, self.task, length)
+            return OfficialSet(rows, self.tokenizer, self.answer_prompt, self.n_test)
+        return self._generated("test", self.n_test, length=length)
+
     def test_dataloader(self) -> list[DataLoader]:
-        loaders = []
-        for n in self.test_lengths:
-            if self.official:
-                rows = load_official(self.official, self.task, n)
-                dataset = OfficialSet(rows, self.tokenizer, self.answer_prompt, self.n_test)
-            else:
-                dataset = self._generated("test", self.n_test, length=n)
-            loaders.append(self._loader(dataset, length=n))
-        return loaders
+        return [self._loader(self.test_set(n), length=n) for n in self.test_lengths]
 
 
 class CurriculumCallback(Callback):

@@ -175,8 +175,12 @@ def test_babilong_memory_reset_runs_the_ablation_and_refuses_models_without_memo
 def test_memory_maps_draws_figure_10_of_a_memory_model(tmp_path, cache):
     tokenizer = build_tokenizer()
     model = RMT(build_llama(tokenizer.vocab_size, 32, 1, 2, 2, 64, 512), num_memory=2, segment_size=64).eval()
-    metrics = memory_maps(model, tokenizer, tiny_corpus(), tmp_path, length=256, n_samples=2)
+    metrics = memory_maps(model, tokenizer, tiny_corpus(), tmp_path, length=256, n_samples=2, n_stats=4)
     assert metrics["memory_maps/segments"] >= 256 // 64 and (tmp_path / "memory_maps.png").stat().st_size > 0
+    assert (
+        metrics["memory_maps/move_ratio_at_facts"] > 0 and 0 <= metrics["memory_maps/top_move_at_fact"] <= 1
+    )
+    assert json.loads((tmp_path / "memory_maps.json").read_text())["length"] == 256
     with pytest.raises(ConfigError, match="got Oracle"):
         memory_maps(Oracle(tokenizer.vocab_size), tokenizer, tiny_corpus(), tmp_path)
 

@@ -3,12 +3,20 @@ truncated BPTT, streaming, and a recall task that needs the memory."""
 
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from callbacks.memory_maps import attention_maps, attention_probs, memory_figure, memory_panels, memory_states
+from callbacks.memory_maps import (
+    attention_maps,
+    attention_probs,
+    fact_segments,
+    memory_figure,
+    memory_panels,
+    memory_states,
+)
 from models.armt import ARMT
 from models.backbone import HFBackbone
 from models.llama import Llama, LlamaConfig
@@ -324,3 +332,15 @@ def test_memory_panels_and_their_one_figure():
     assert_texts_inside(fig)
     with pytest.raises(TypeError, match="need our Llama backbone"):
         attention_maps(hf, hf.initial_state(1), ids[None, :4])
+    marked = memory_figure([memory_panels(model, ids, facts=(1, 3))])
+    assert [line.get_xdata()[0] for line in marked.axes[0].lines[::2]] == [1, 3]  # dotted at M_1 and M_3
+
+
+def test_fact_segments_finds_each_fact_in_story_order():
+    """Segments of 4 split from the right of 14 tokens: [0,2) [2,6) [6,10) [10,14); a fact is placed by its first
+    token, and a later fact equal to an earlier one is found after it."""
+    ids = np.array([9, 9, 1, 2, 9, 9, 9, 9, 1, 2, 9, 3, 9, 9])
+    bounds = RMT(tiny_backbone(), num_memory=1, segment_size=4).segment_bounds(len(ids))
+    assert fact_segments(ids, [np.array([1, 2]), np.array([1, 2]), np.array([3])], bounds) == [2, 3, 4]
+    with pytest.raises(ValueError, match="not in the sample"):
+        fact_segments(ids, [np.array([3]), np.array([1, 2])], bounds)
