@@ -100,6 +100,7 @@ def babilong(
     official: str | None = None,
     answer_prompt: str = "Answer:",
     memory: str = "carried",
+    early_facts: bool = False,
 ) -> dict[str, float]:
     """BABILong exact-match accuracy over tasks x context lengths (0 = facts only): `n` test samples per cell with
     background from the corpus' test split (or the `official` RMT-team/babilong data). Writes babilong.json and
@@ -107,7 +108,8 @@ def babilong(
 
     memory="reset": the ablation of a memory model (RMT, RMT-R, ARMT): its memory is reset every segment, so facts
     before the question's segment are out of reach; writes babilong_reset.json, heatmap_reset.png and returns
-    `babilong_reset/...`."""
+    `babilong_reset/...`. early_facts=True keeps only samples whose facts all lie before the memory model's last
+    segment (the question's), so that the answer must come through memory (`babilong[_reset]_early_facts/...`)."""
     from data.babilong import length_name
     from data.curriculum import BabilongDataModule
 
@@ -121,7 +123,12 @@ def babilong(
             f"eval.babilong.memory=reset resets a memory model's memory every segment; {type(model).__name__} has no "
             "memory to reset. Use an RMT, RMT-R or ARMT checkpoint, or memory=carried."
         )
-    name = "babilong_reset" if reset else "babilong"
+    if early_facts and (official or not hasattr(model, "segment_bounds")):
+        raise ConfigError(
+            "eval.babilong.early_facts=true needs a memory model (RMT, RMT-R, ARMT: it has segments) and generated "
+            "samples (official=null): it keeps the samples whose facts all precede the last segment."
+        )
+    name = "babilong" + ("_reset" if reset else "") + ("_early_facts" if early_facts else "")
     device = next(model.parameters()).device
     table: dict[str, dict[str, float]] = {}
     for task in tasks:
@@ -129,14 +136,15 @@ def babilong(
             tokenizer,
             corpus,
             task=task,
-            n_test=n,
+            n_test=n * EARLY_FACTS_TRIES if early_facts else n,
             test_lengths=lengths,
             eval_batch_size=batch_size,
             eval_seed=seed,
             official=official,
             answer_prompt=answer_prompt,
         )
-        for length, loader in zip(lengths, data.test_dataloader(), strict=True):
+        loaders = [early_facts_loader(data, model, length, n) for length in lengths] if early_facts else None
+        for length, loader in zip(lengths, loaders or data.test_dataloader(), strict=True):
             hits, total = 0.0, 0
             for batch in track(loader, f"babilong {task} @ {length_name(length)}"):
                 batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
@@ -146,15 +154,47 @@ def babilong(
             table.setdefault(task, {})[length_name(length)] = hits / total
     write_json(
         Path(out_dir) / f"{name}.json",
-        {"n": n, "seed": seed, "official": official, "memory": memory, "accuracy": table},
+        {"n": n, "seed": seed, "official": official, "memory": memory, "early_facts": early_facts}
+        | {"accuracy": table},
     )
+    notes = [", memory reset every segment"] * reset + [", facts before the last segment"] * early_facts
     plot_accuracy_heatmap(
         table,
-        Path(out_dir) / ("heatmap_reset.png" if reset else "heatmap.png"),
-        title=f"BABILong accuracy ({n} samples a cell{', memory reset every segment' if reset else ''})",
+        Path(out_dir) / f"heatmap{name.removeprefix('babilong')}.png",
+        title=f"BABILong accuracy ({n} samples a cell{''.join(notes)})",
     )
     metrics = {f"{name}/{t}/acc@{s}": acc for t, row in table.items() for s, acc in row.items()}
     return metrics | {f"{name}/acc": sum(metrics.values()) / len(metrics)}
+
+
+EARLY_FACTS_TRIES = 100  # early_facts: candidates per kept sample at most
+
+
+def early_facts_loader(data, model: nn.Module, length: int, n: int) -> torch.utils.data.DataLoader:
+    """The first `n` test samples of `data` (a BabilongDataModule) with `length` context tokens whose facts all lie
+    before the model's last segment, batched as `data.test_dataloader()` batches them."""
+    from functools import partial
+
+    from callbacks.memory_maps import fact_segments
+    from data.babilong import collate, length_name
+
+    dataset, kept = data.test_set(length), []
+    for i in range(len(dataset)):
+        ids = dataset[i].input_ids
+        bounds = model.segment_bounds(len(ids))
+        if max(fact_segments(ids, dataset.tasks.facts[dataset.indices[i]], bounds)) < len(bounds):
+            kept.append(i)
+            if len(kept) == n:
+                break
+    if len(kept) < n:
+        raise ConfigError(
+            f"Only {len(kept)} of {len(dataset)} {data.task} samples at {length_name(length)} have every fact before "
+            f"the last segment; ask for fewer (eval.babilong.n) or longer contexts."
+        )
+    collate_fn = partial(collate, pad_id=data.tokenizer.pad_id, task=data.task, length=length)
+    return torch.utils.data.DataLoader(
+        torch.utils.data.Subset(dataset, kept), batch_size=data.eval_batch_size, collate_fn=collate_fn
+    )
 
 
 @torch.no_grad()

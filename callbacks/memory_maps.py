@@ -95,8 +95,8 @@ def distance_panel(states: Tensor, facts: tuple[int, ...] = ()) -> Panel:
 
 
 def fact_segments(input_ids: np.ndarray, facts: list[np.ndarray], bounds: list[tuple[int, int]]) -> list[int]:
-    """1-based index t of the segment holding the first token of each fact (in order) in a sample's ids (T,):
-    memory state M_t is the first written after it. Facts are found as token subsequences, in story order."""
+    """1-based index t of the segment where each fact (in story order) ends in a sample's ids (T,): memory state M_t
+    is the first written after the whole fact. Facts are found as token subsequences, in story order."""
     found, start = [], 0
     for fact in facts:
         hits = [
@@ -107,7 +107,7 @@ def fact_segments(input_ids: np.ndarray, facts: list[np.ndarray], bounds: list[t
         if not hits:
             raise ValueError(f"fact {fact.tolist()} is not in the sample after position {start}")
         start = hits[0] + len(fact)
-        found.append(next(t for t, (a, b) in enumerate(bounds, 1) if a <= hits[0] < b))
+        found.append(next(t for t, (a, b) in enumerate(bounds, 1) if a <= start - 1 < b))
     return found
 
 

@@ -5,6 +5,7 @@ import csv
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize
@@ -13,8 +14,9 @@ from test_faults import compose_train, tiny_overrides
 from torch import nn
 
 from data.corpus import Corpus, Document
+from data.curriculum import BabilongDataModule
 from data.tokenizer import build_tokenizer
-from evaluate import babilong, evaluate, memory_maps, ppl, wandb_run_id
+from evaluate import babilong, early_facts_loader, evaluate, memory_maps, ppl, wandb_run_id
 from models.backbone import build_llama
 from models.builders import build_run
 from models.config_errors import ConfigError
@@ -170,6 +172,30 @@ def test_babilong_memory_reset_runs_the_ablation_and_refuses_models_without_memo
         babilong(Oracle(tokenizer.vocab_size), tokenizer, tiny_corpus(), tmp_path, memory="reset", **kwargs)
     with pytest.raises(ConfigError, match="memory=forgetful: use carried"):
         babilong(model, tokenizer, tiny_corpus(), tmp_path, memory="forgetful", **kwargs)
+
+
+def test_early_facts_keeps_only_samples_whose_facts_precede_the_last_segment(tmp_path, cache):
+    """eval.babilong.early_facts: every kept row holds each of its facts whole before its last segment (brute-force
+    search over the row), the scores go to babilong_early_facts; models without segments are refused."""
+    tokenizer = build_tokenizer()
+    model = RMT(build_llama(tokenizer.vocab_size, 32, 1, 2, 2, 64, 512), num_memory=2, segment_size=64).eval()
+    data = BabilongDataModule(tokenizer, tiny_corpus(), task="qa1", n_test=400, eval_seed=0)
+    loader = early_facts_loader(data, model, 300, n=6)
+    pool = data.pool("test")
+    for i in loader.dataset.indices:
+        sample = loader.dataset.dataset[i]
+        ids, facts = sample.input_ids, pool.facts[loader.dataset.dataset.indices[i]]
+        last_segment = len(ids) - 64
+        for fact in facts:
+            ends = [j + len(fact) for j in range(len(ids)) if np.array_equal(ids[j : j + len(fact)], fact)]
+            assert ends and min(ends) <= last_segment
+    assert sum(len(b["input_ids"]) for b in loader) == 6
+    metrics = babilong(
+        model, tokenizer, tiny_corpus(), tmp_path, tasks=("qa1",), lengths=(300,), n=4, early_facts=True
+    )
+    assert set(metrics) == {"babilong_early_facts/qa1/acc@300", "babilong_early_facts/acc"}
+    with pytest.raises(ConfigError, match="early_facts=true needs a memory model"):
+        babilong(Oracle(tokenizer.vocab_size), tokenizer, tiny_corpus(), tmp_path, early_facts=True)
 
 
 def test_memory_maps_draws_figure_10_of_a_memory_model(tmp_path, cache):

@@ -337,9 +337,10 @@ def test_memory_panels_and_their_one_figure():
 
 
 def test_fact_segments_finds_each_fact_in_story_order():
-    """Segments of 4 split from the right of 14 tokens: [0,2) [2,6) [6,10) [10,14); a fact is placed by its first
-    token, and a later fact equal to an earlier one is found after it."""
-    ids = np.array([9, 9, 1, 2, 9, 9, 9, 9, 1, 2, 9, 3, 9, 9])
+    """Segments of 4 split from the right of 14 tokens: [0,2) [2,6) [6,10) [10,14); a fact is placed by its last
+    token (the segment after which memory holds all of it), and a later fact equal to an earlier one is found after
+    it."""
+    ids = np.array([9, 1, 2, 9, 9, 9, 9, 9, 1, 2, 9, 3, 9, 9])
     bounds = RMT(tiny_backbone(), num_memory=1, segment_size=4).segment_bounds(len(ids))
     assert fact_segments(ids, [np.array([1, 2]), np.array([1, 2]), np.array([3])], bounds) == [2, 3, 4]
     with pytest.raises(ValueError, match="not in the sample"):
