@@ -102,7 +102,7 @@ class LitModule(L.LightningModule):
         path = f"{ckpt.dirpath}/last-finite.ckpt"
         self._saving_mid_step = True
         try:
-            self.trainer.save_checkpoint(path)
+            self.trainer.save_checkpoint(path, weights_only=False)  # the full state, to resume from
         except DivergedError:  # the state before this step holds NaN/inf already: nothing good to save
             return (
                 f"The state before this step is not finite either, so nothing was saved; the checkpoints in "

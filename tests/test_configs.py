@@ -74,6 +74,18 @@ def test_every_option_composes_and_binds(group):
         assert not config_problems(cfg)  # what train.py checks before building
 
 
+@pytest.mark.parametrize("curriculum", options("curriculum"))
+def test_every_curriculum_composes_with_the_babilong_recipe(curriculum):
+    """task=qa* loads the tiny backbone's recipe, which sets the staged curricula's CPU values; every curriculum,
+    staged or fixed, still composes to a callback that builds (or none)."""
+    cfg = compose_train(["model=rmt", "task=qa1", f"curriculum={curriculum}"])
+    OmegaConf.resolve(cfg)
+    assert cfg.task.callback is None or "_target_" in cfg.task.callback, cfg.task.callback
+    for path, node in targets(cfg):
+        assert_binds(path, node)
+    assert not config_problems(cfg)
+
+
 def test_trainer_config_lists_every_trainer_argument():
     cfg = OmegaConf.load(CONFIGS / "trainer" / "default.yaml")
     args = set(inspect.signature(L.Trainer.__init__).parameters) - {"self", "logger", "callbacks", "plugins"}
