@@ -41,7 +41,7 @@ from data.corpus import Corpus, tokenize_corpus
 from data.lm_datamodule import with_specials
 from data.tokenizer import Tokenizer
 from models import cli
-from models.builders import build_model, register_resolvers
+from models.builders import build_model, register_resolvers, set_threads
 from models.config_checks import check_config
 from models.config_errors import ConfigError, MissingFileError
 from models.lit_module import exact_match
@@ -402,6 +402,7 @@ class CheckpointEvaluator:
         if key != self._built_for:
             tokenizer = instantiate(config.tokenizer)
             self.model = build_model(config, tokenizer).to(self.device)
+            set_threads(self.cfg.get("threads"), self.model, self.device.type == "cuda")
             self.tokenizer = tokenizer
             self.corpus = instantiate(self.cfg.get("corpus") or config.corpus)
             self._built_for = key
@@ -503,6 +504,7 @@ def evaluate(cfg: DictConfig) -> dict:
     device = select_device(cfg.device)
     tokenizer = instantiate(cfg.tokenizer)
     model = build_model(cfg, tokenizer).to(device)
+    set_threads(cfg.get("threads"), model, device.type == "cuda")
     corpus = instantiate(cfg.get("corpus") or DEFAULT_CORPUS)
     out_dir = Path(cfg.out_dir)
     loggers = build_loggers(cfg, out_dir, None)

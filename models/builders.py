@@ -111,12 +111,13 @@ def build_model(cfg: DictConfig, tokenizer, backbone_init: str | None = None) ->
     return instantiate(OmegaConf.create(model_cfg), _partial_=True)(backbone=backbone)
 
 
-def set_threads(cfg: DictConfig, n_params: int) -> None:
-    """Tiny models run fastest on one thread per process on small CPUs; big ones use every core."""
-    if cfg.trainer.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
+def set_threads(threads: int | None, model: torch.nn.Module, cuda: bool) -> None:
+    """CPU threads for a run on the CPU (`cuda`: none set): `threads`, else one for tiny models (fastest on small
+    CPUs, and two runs side by side share the cores) and every core for big ones."""
+    if cuda:
         return
-    threads = cfg.get("threads") or (1 if n_params < 20_000_000 else os.cpu_count())
-    torch.set_num_threads(threads)
+    n_params = sum(p.numel() for p in model.parameters())
+    torch.set_num_threads(threads or (1 if n_params < 20_000_000 else os.cpu_count()))
 
 
 @dataclass
@@ -152,7 +153,8 @@ def build_run(cfg: DictConfig) -> Run:
     if cfg.get("compile"):
         model.backbone.compile()  # in place: module names, state dict and checkpoints stay as without it
     n_params = sum(p.numel() for p in model.parameters())
-    set_threads(cfg, n_params)
+    cuda = cfg.trainer.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+    set_threads(cfg.get("threads"), model, cuda)
     log.info("model: %s, %.2fM parameters", type(model).__name__, n_params / 1e6)
     print(f"Parameters: {n_params:,} ({n_params / 1e6:.1f}M)")
     module = LitModule(
