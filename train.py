@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from datetime import timedelta
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -32,9 +34,14 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
 @hydra.main(version_base="1.3", config_path=str(cli.CONFIGS), config_name="train")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    t0 = time.perf_counter()
     with cli.user_errors(cfg):
         metrics = train(cfg, list(HydraConfig.get().overrides.task))
     log.info("final metrics: %s", {k: round(v, 4) for k, v in sorted(metrics.items())})
+    log.info(
+        "wall time %s (all of it: a warm start built by this run included)",
+        timedelta(seconds=round(time.perf_counter() - t0)),
+    )
     cli.report_outputs(cfg.run_dir)
 
 

@@ -47,6 +47,7 @@ def test_output_to_a_file_gets_progress_lines_where_things_went_and_no_noise(tmp
         and "csv/version_0/: hparams.yaml, metrics.csv" in written
     )
     assert re.search(r"wandb/offline-run-\S+: upload with `wandb sync \S+/wandb/offline-run-", written)
+    assert re.search(r"wall time 0:0\d:\d\d \(all of it", log)  # the whole run's time, at its end
     for noise in ("Epoch", "Tip:", "LeafSpec", "\x1b[", "Traceback"):
         assert noise not in log, noise
 
