@@ -213,7 +213,8 @@ def memory_maps(
     context tokens: memory_maps.png draws the first `n_samples` (distances of memory states, the states after a
     fact dotted; write/read attention). Over the first `n_stats` samples it measures whether memory changes at the
     facts: `move_ratio_at_facts`, the mean ||M_t - M_{t-1}|| of segments holding a fact over that of background
-    segments, and `top_move_at_fact`, the share of samples whose largest move is at a fact segment."""
+    segments, and `top_move_at_fact`, the share of samples whose largest move is at a fact segment (the first
+    segment, whose move from M_0 every sample makes, is left out of both)."""
     from callbacks.memory_maps import fact_segments, memory_figure, memory_moves, memory_panels, memory_states
     from data.babilong import length_name
     from data.curriculum import BabilongDataModule
@@ -233,13 +234,14 @@ def memory_maps(
         ids = torch.from_numpy(ids).to(device)
         if i < n_samples:
             panels.append(memory_panels(model, ids, facts=tuple(facts)))
-        if i < n_stats:
+        if i < n_stats and len(model.segment_bounds(len(ids))) > 1:
             moves = memory_moves(memory_states(model, ids)).cpu()
             is_fact = torch.zeros(len(moves), dtype=torch.bool)
             is_fact[torch.tensor(facts) - 1] = True
+            moves, is_fact = moves[1:], is_fact[1:]
             at_fact.append(moves[is_fact])
             elsewhere.append(moves[~is_fact])
-            top.append(bool(is_fact[moves.argmax()]))
+            top.append(bool(is_fact[moves.argmax()]) if is_fact.any() else False)
     memory_figure(panels).savefig(Path(out_dir) / "memory_maps.png", dpi=100)
     metrics = {"memory_maps/segments": len(model.segment_bounds(len(dataset[0].input_ids)))}
     if at_fact:

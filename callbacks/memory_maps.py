@@ -84,7 +84,7 @@ def distance_panel(states: Tensor, facts: tuple[int, ...] = ()) -> Panel:
     dist = torch.cdist(flat[None], flat[None])[0].cpu().numpy()
     return Panel(
         dist,
-        "Memory states: L2 distance" + (" (dotted: after a fact)" if facts else ""),
+        "Memory states: L2 distance" + ("\n(dotted: after a fact)" if facts else ""),
         "memory state t",
         "memory state t",
         "distance (red = similar)",
@@ -166,7 +166,8 @@ def memory_panels(
     """Figure 10 for one sample (T,): {"distance", and with our Llama "write", "read"}; `facts` (`fact_segments`)
     marks the memory states written after a fact.
 
-    write: the write memory of the segment where memory moved most, over [read memory; tokens].
+    write: the write memory of the segment where memory moved most, over [read memory; tokens]: among the fact
+    segments when `facts` are given, else among all but the first (whose move from M_0 is not a write of content).
     read: the last `n_query` tokens of the last segment (question and answer) over the read memory (none without
     read memory: ARMT's paper layout).
     """
@@ -177,7 +178,8 @@ def memory_panels(
     bounds = model.segment_bounds(len(input_ids))
     moves = memory_moves(states)  # (n,)
     ids, mask = input_ids[None], None if attention_mask is None else attention_mask[None]
-    maps = [("write", int(moves.argmax()))]
+    candidates = [t - 1 for t in facts] if facts else list(range(min(1, len(moves) - 1), len(moves)))
+    maps = [("write", max(candidates, key=lambda i: float(moves[i])))]
     if model.read_memory(model.initial_state(1)).shape[1]:
         maps.append(("read", len(bounds) - 1))
     for name, t in maps:
