@@ -30,11 +30,11 @@ import torch
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from omegaconf import DictConfig, OmegaConf
-from rich.progress import track
 from torch import nn
 
 from callbacks.babilong_eval import plot_accuracy_heatmap
 from callbacks.checkpoint import load_checkpoint
+from callbacks.progress import track
 from callbacks.wandb_logger import build_wandb_logger
 from callbacks.watch import results_dir, watch, write_json
 from data.corpus import Corpus, tokenize_corpus

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from rich.progress import track
 from torch import nn
 
 from callbacks.evaluator_callback import EvaluatorCallback, EvaluatorReport
+from callbacks.progress import track
 from data.corpus import Corpus, default_cache_dir
 from data.tokenizer import HFTokenizer, Tokenizer
 from models import streaming

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from callbacks import progress
 from callbacks.progress import progress_line
 from models import cli
 from models.builders import build_run
@@ -101,4 +102,18 @@ def test_report_lists_what_this_process_wrote(tmp_path, caplog):
         "  eval/version_0/: metrics.csv\n"
         "  forgetting/: 5 files (.png)\n"
         f"  wandb/offline-run-1-abc: upload with `wandb sync {tmp_path}/wandb/offline-run-1-abc`"
+    ]
+
+
+def test_track_logs_count_rate_and_eta_when_not_on_a_terminal(monkeypatch, caplog):
+    """A long evaluation (100 samples at 1M tokens) in a log file said nothing until it ended."""
+    clock_now = iter(range(0, 1000, 10))  # every item takes 10 s
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock_now))
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    with caplog.at_level(logging.INFO, logger="callbacks.progress"):
+        assert list(progress.track(range(8), "babilong qa1 @ 1M", every_s=25)) == list(range(8))
+    assert [r.getMessage() for r in caplog.records] == [
+        "babilong qa1 @ 1M: 3/8 (38%) | 0.1 it/s | 0:00:30 elapsed, ETA 0:00:50",
+        "babilong qa1 @ 1M: 6/8 (75%) | 0.1 it/s | 0:01:00 elapsed, ETA 0:00:20",
+        "babilong qa1 @ 1M: 8/8 (100%) | 0.1 it/s | 0:01:20 elapsed, ETA 0:00:00",
     ]
