@@ -214,7 +214,8 @@ def memory_maps(
     fact dotted; write/read attention). Over the first `n_stats` samples it measures whether memory changes at the
     facts: `move_ratio_at_facts`, the mean ||M_t - M_{t-1}|| of segments holding a fact over that of background
     segments, and `top_move_at_fact`, the share of samples whose largest move is at a fact segment (the first
-    segment, whose move from M_0 every sample makes, is left out of both)."""
+    segment, whose move from M_0 every sample makes, is left out of both); by chance it would be
+    `fact_segment_share`, the share of segments that hold a fact."""
     from callbacks.memory_maps import fact_segments, memory_figure, memory_moves, memory_panels, memory_states
     from data.babilong import length_name
     from data.curriculum import BabilongDataModule
@@ -227,7 +228,7 @@ def memory_maps(
     n = max(n_samples, n_stats)
     dataset = BabilongDataModule(tokenizer, corpus, task=task, n_test=n, eval_seed=seed).test_set(length)
     device = next(model.parameters()).device
-    panels, at_fact, elsewhere, top = [], [], [], []
+    panels, at_fact, elsewhere, top, share = [], [], [], [], []
     for i in track(range(len(dataset)), f"memory maps {task} @ {length_name(length)}"):
         ids = dataset[i].input_ids
         facts = fact_segments(ids, dataset.tasks.facts[dataset.indices[i]], model.segment_bounds(len(ids)))
@@ -242,6 +243,7 @@ def memory_maps(
             at_fact.append(moves[is_fact])
             elsewhere.append(moves[~is_fact])
             top.append(bool(is_fact[moves.argmax()]) if is_fact.any() else False)
+            share.append(float(is_fact.float().mean()))
     memory_figure(panels).savefig(Path(out_dir) / "memory_maps.png", dpi=100)
     metrics = {"memory_maps/segments": len(model.segment_bounds(len(dataset[0].input_ids)))}
     if at_fact:
@@ -251,6 +253,7 @@ def memory_maps(
             if len(background)
             else float("nan"),
             "memory_maps/top_move_at_fact": sum(top) / len(top),
+            "memory_maps/fact_segment_share": sum(share) / len(share),  # top_move_at_fact by chance
         }
     write_json(Path(out_dir) / "memory_maps.json", {"task": task, "length": length, "seed": seed} | metrics)
     return metrics

@@ -206,6 +206,7 @@ def test_memory_maps_draws_figure_10_of_a_memory_model(tmp_path, cache):
     assert (
         metrics["memory_maps/move_ratio_at_facts"] > 0 and 0 <= metrics["memory_maps/top_move_at_fact"] <= 1
     )
+    assert 0 < metrics["memory_maps/fact_segment_share"] < 1
     assert json.loads((tmp_path / "memory_maps.json").read_text())["length"] == 256
     with pytest.raises(ConfigError, match="got Oracle"):
         memory_maps(Oracle(tokenizer.vocab_size), tokenizer, tiny_corpus(), tmp_path)
