@@ -172,21 +172,22 @@ def test_pretraining_says_what_it_does_and_its_bar_ends_full_when_it_stops_early
 
 @pytest.mark.slow
 def test_the_users_command_learns_qa1_as_typed(tmp_path):
-    """`python train.py model=rmt_r task=qa1` (shortened to 1,000 steps): past the 0.5 "latest-mentioned location"
-    shortcut at two segments. The full run reaches 0.58 at step 500 and 0.71 at 1,000 (README). About 8 minutes on
-    one core with the warm start cached (`$MEMLM_CACHE/warm_start`), 10 more to build it."""
+    """`python train.py model=rmt_r task=qa1` (shortened to 2,000 steps): past the 0.5 "latest-mentioned location"
+    shortcut at two segments. The full run on the dev CPU: 0.44 at step 1,000, 0.73 at 2,000, 0.96 at 6,000 (README);
+    1,000 steps were too few (0.465). About 7 minutes on one core with the warm start cached
+    (`$MEMLM_CACHE/warm_start`), 12 more to build it."""
     root = Path(__file__).resolve().parents[1]
     command = [
         sys.executable,
         "train.py",
         "model=rmt_r",
         "task=qa1",
-        "trainer.max_steps=1000",
+        "trainer.max_steps=2000",
         f"run_dir={tmp_path}",
     ]
     subprocess.run(
         command, cwd=root, check=True, capture_output=True, env={**os.environ, "WANDB_MODE": "offline"}
     )
     metrics = read_metrics(tmp_path)
-    accuracy = max(v for (k, step), v in metrics.items() if k == "val/qa1/acc@2seg" and step >= 900)
+    accuracy = max(v for (k, step), v in metrics.items() if k == "val/qa1/acc@2seg" and step >= 1900)
     assert accuracy >= 0.6, accuracy
