@@ -173,10 +173,8 @@ EARLY_FACTS_TRIES = 100  # early_facts: candidates per kept sample at most
 def early_facts_loader(data, model: nn.Module, length: int, n: int) -> torch.utils.data.DataLoader:
     """The first `n` test samples of `data` (a BabilongDataModule) with `length` context tokens whose facts all lie
     before the model's last segment, batched as `data.test_dataloader()` batches them."""
-    from functools import partial
-
     from callbacks.memory_maps import fact_segments
-    from data.babilong import collate, length_name
+    from data.babilong import length_name
 
     dataset, kept = data.test_set(length), []
     for i in range(len(dataset)):
@@ -191,10 +189,7 @@ def early_facts_loader(data, model: nn.Module, length: int, n: int) -> torch.uti
             f"Only {len(kept)} of {len(dataset)} {data.task} samples at {length_name(length)} have every fact before "
             f"the last segment; ask for fewer (eval.babilong.n) or longer contexts."
         )
-    collate_fn = partial(collate, pad_id=data.tokenizer.pad_id, task=data.task, length=length)
-    return torch.utils.data.DataLoader(
-        torch.utils.data.Subset(dataset, kept), batch_size=data.eval_batch_size, collate_fn=collate_fn
-    )
+    return data.eval_loader(torch.utils.data.Subset(dataset, kept), length=length)
 
 
 @torch.no_grad()
@@ -231,11 +226,12 @@ def memory_maps(
     panels, at_fact, elsewhere, top, share = [], [], [], [], []
     for i in track(range(len(dataset)), f"memory maps {task} @ {length_name(length)}"):
         ids = dataset[i].input_ids
-        facts = fact_segments(ids, dataset.tasks.facts[dataset.indices[i]], model.segment_bounds(len(ids)))
+        bounds = model.segment_bounds(len(ids))
+        facts = fact_segments(ids, dataset.tasks.facts[dataset.indices[i]], bounds)
         ids = torch.from_numpy(ids).to(device)
         if i < n_samples:
             panels.append(memory_panels(model, ids, facts=tuple(facts)))
-        if i < n_stats and len(model.segment_bounds(len(ids))) > 1:
+        if i < n_stats and len(bounds) > 1:
             moves = memory_moves(memory_states(model, ids)).cpu()
             is_fact = torch.zeros(len(moves), dtype=torch.bool)
             is_fact[torch.tensor(facts) - 1] = True

@@ -316,7 +316,8 @@ class BabilongDataModule(L.LightningDataModule):
     def test_names(self) -> list[str]:
         return [f"{self.task}/acc@{length_name(n)}" for n in self.test_lengths]
 
-    def _loader(self, dataset: Dataset, **meta) -> DataLoader:
+    def eval_loader(self, dataset: Dataset, **meta) -> DataLoader:
+        """Evaluation batches of `dataset` (its samples collated, `meta` added to each batch)."""
         pad, loss = self.tokenizer.pad_id, self.context_loss
         fn = partial(collate, pad_id=pad, context_loss=loss, task=self.task, **meta)
         return DataLoader(
@@ -334,11 +335,11 @@ class BabilongDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> list[DataLoader]:
         by_segments = [
-            self._loader(self._generated("validation", self.n_val, segments=k), n_segments=k)
+            self.eval_loader(self._generated("validation", self.n_val, segments=k), n_segments=k)
             for k in self.val_segments
         ]
         by_length = [
-            self._loader(self._generated("validation", self.n_val, length=n), length=n)
+            self.eval_loader(self._generated("validation", self.n_val, length=n), length=n)
             for n in self.val_lengths
         ]
         return by_segments + by_length
@@ -352,7 +353,7 @@ class BabilongDataModule(L.LightningDataModule):
         return self._generated("test", self.n_test, length=length)
 
     def test_dataloader(self) -> list[DataLoader]:
-        return [self._loader(self.test_set(n), length=n) for n in self.test_lengths]
+        return [self.eval_loader(self.test_set(n), length=n) for n in self.test_lengths]
 
 
 class CurriculumCallback(Callback):
