@@ -4,6 +4,7 @@
     python evaluate.py watch=RUN_DIR eval=[ppl]             # every new checkpoint of a (running) training run
     python evaluate.py backbone=smollm2_135m eval=[ppl]     # a pretrained model, no checkpoint
     python evaluate.py export=hf ckpt_path=RUN/checkpoints/last.ckpt
+    python evaluate.py compare=[A.ckpt,B.ckpt] eval=[ppl,longppl,forgetting_curve] out_dir=docs/x  # side by side
 
 A checkpoint carries its resolved training config (`checkpoint["config"]`; only the `_target_`s of configs/ are
 accepted, models/run_config.py): tokenizer and model are rebuilt from it with `models.builders.build_model` and its
@@ -34,6 +35,7 @@ from torch import nn
 
 from callbacks.babilong_eval import plot_accuracy_heatmap
 from callbacks.checkpoint import load_checkpoint
+from callbacks.comparison import EvaluatedModel, compare
 from callbacks.progress import track
 from callbacks.wandb_logger import build_wandb_logger
 from callbacks.watch import results_dir, watch, write_json
@@ -494,6 +496,8 @@ def evaluate(cfg: DictConfig) -> dict:
         out = export_hf(model, tokenizer, cfg.export_dir or f"{cfg.ckpt_path}.hf")
         log.info("Exported to %s", out)
         return {"export_dir": str(out)}
+    if cfg.compare:
+        return compare_checkpoints(cfg)
     if cfg.ckpt_path:
         path = Path(cfg.ckpt_path)
         evaluator = CheckpointEvaluator(cfg, run_dir_of(path))
@@ -520,6 +524,30 @@ def evaluate(cfg: DictConfig) -> dict:
     return metrics
 
 
+def compare_checkpoints(cfg: DictConfig) -> dict[str, float]:
+    """Evaluate each checkpoint of `compare` (results in its `<ckpt>.eval/`), then the comparison into out_dir.
+    A model is named by its run folder (and its step where one run gives several checkpoints)."""
+    if cfg.ckpt_path or cfg.watch or cfg.export:
+        raise ConfigError(
+            "compare=[A.ckpt,B.ckpt,...] evaluates its own checkpoints: drop ckpt_path/watch/export."
+        )
+    paths = [Path(p) for p in cfg.compare]
+    models = []
+    for path in paths:
+        checkpoint = load_checkpoint(path)
+        evaluator = CheckpointEvaluator(cfg, run_dir_of(path))
+        try:
+            evaluator(path, checkpoint)
+        finally:
+            evaluator.close()
+        step = int(checkpoint.get("global_step", 0))
+        label = run_dir_of(path).name
+        if sum(run_dir_of(p) == run_dir_of(path) for p in paths) > 1:
+            label = f"{label}@{step}"
+        models.append(EvaluatedModel.load(results_dir(path), label, step))
+    return compare(models, cfg.out_dir, cfg.compare_score_length)
+
+
 def results_folder(cfg: DictConfig) -> Path:
     """Where a mode writes: the training run's folder (checkpoint, watch, export beside the checkpoint), else
     out_dir (a pretrained model)."""
@@ -527,7 +555,7 @@ def results_folder(cfg: DictConfig) -> Path:
         return Path(cfg.watch)
     if cfg.export and cfg.export_dir:
         return Path(cfg.export_dir)
-    return run_dir_of(cfg.ckpt_path) if cfg.ckpt_path else Path(cfg.out_dir)
+    return run_dir_of(cfg.ckpt_path) if cfg.ckpt_path and not cfg.compare else Path(cfg.out_dir)
 
 
 @hydra.main(version_base="1.3", config_path=str(cli.CONFIGS), config_name="eval")

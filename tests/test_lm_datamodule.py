@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from data.corpus import Document, load_corpus, split_documents
+from data.corpus import Corpus, Document, load_corpus, split_documents
 from data.lm_datamodule import BatchStream, LMDataModule, OrderedStreams, ShuffledChunks
+from data.tokenizer import build_tokenizer
 from models.config_errors import ConfigError
 from models.errors import UserError
 
@@ -75,6 +76,42 @@ def test_split_is_by_document_and_deterministic():
     assert [d.name for d in a["test"]] == [d.name for d in b["test"]]
     names = [{d.name for d in a[s]} for s in ("train", "validation", "test")]
     assert not (names[0] & names[1] or names[0] & names[2] or names[1] & names[2])
+
+
+def test_kjv_corpus_is_the_66_books_as_plain_text():
+    corpus = load_corpus("kjv")
+    books = {d.name: d.text for split in corpus.splits.values() for d in split}
+    assert len(books) == 66 and sum(map(len, books.values())) > 4_000_000
+    genesis, revelation = books["01 Genesis"], books["66 Revelation"]
+    assert genesis.startswith(
+        "In the beginning God created the heaven and the earth. And the earth was without"
+    )
+    assert genesis.count("\n\n") == 49  # 50 chapters
+    assert revelation.endswith("The grace of our Lord Jesus Christ be with you all. Amen.")
+    assert not any(c in text for text in books.values() for c in "[]")  # no verse numbers or brackets
+    assert "1. " not in genesis[:200] and " 2. " not in genesis[:200]
+    assert [d.name for d in corpus.splits["test"]] == ["08 Ruth", "43 John", "25 Lamentations"]
+
+
+def test_bpe_tokenizer_is_trained_on_the_train_split_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMLM_CACHE", str(tmp_path))
+    lines = lambda i: "\n".join(f"The quick brown fox {i} jumps over the lazy dog {j}." for j in range(40))  # noqa: E731
+    corpus = Corpus("mini", split_documents([Document(f"d{i}", lines(i)) for i in range(10)], 0.1, 0.1, 0))
+    tok = build_tokenizer("bpe", vocab_size=400, corpus=corpus)
+    assert tok.vocab_size == 400 and (tok.sp.unk_id(), tok.bos_id, tok.eos_id) == (0, 1, 2)
+    text = "The quick brown fox: naïve café, 🦊 jumps!"
+    assert tok.decode(tok.encode(text)) == text  # byte fallback: any text encodes
+    assert (
+        len(tok.encode("The quick brown fox jumps over the lazy dog")) <= 9
+    )  # merges learned from the corpus
+    (path,) = (tmp_path / "tokenizers").glob("mini-*-bpe400.model")
+    mtime = path.stat().st_mtime_ns
+    assert build_tokenizer("bpe", vocab_size=400, corpus=corpus).fingerprint == tok.fingerprint
+    assert path.stat().st_mtime_ns == mtime  # the cached vocabulary, not trained again
+    with pytest.raises(ConfigError, match="tokenizer.vocab_size must be >= 300"):
+        build_tokenizer("bpe", vocab_size=100, corpus=corpus)
+    with pytest.raises(ConfigError, match="it needs tokenizer.vocab_size and corpus"):
+        build_tokenizer("bpe", vocab_size=400)
 
 
 def test_folder_corpus_errors_name_the_fix(tmp_path):

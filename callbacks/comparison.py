@@ -1,0 +1,199 @@
+"""Evaluated checkpoints side by side (`python evaluate.py compare=[A.ckpt,B.ckpt,...]`): their forgetting curves
+and perplexity by position on one figure, their fine/coarse memory lengths, and whether PPL or LongPPL tracks their
+long-context ability (Fang et al. 2024, Fig. 1b, at the scale of the models compared).
+
+Long-context score of a model: its copy gain, copy accuracy minus LM accuracy of its forgetting curve (what having
+seen the text adds to next-token accuracy), averaged over the tested lengths, or at one tested length
+(`score_length`). Correlations are Pearson's r and Spearman's rho over the models, of the score against PPL and
+against LongPPL (lower perplexity should mean a higher score: a useful metric has a strongly negative r).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from callbacks.forgetting_curve import ForgettingCurveResult
+from callbacks.ppl_by_position import PplByPositionResult
+from models.config_errors import ConfigError
+
+
+@dataclass
+class EvaluatedModel:
+    """What the evaluators wrote for one checkpoint (`<ckpt>.eval/`); None where that evaluator did not run."""
+
+    label: str
+    step: int
+    ppl: float | None = None
+    longppl: float | None = None
+    n_key: int | None = None
+    n_tokens: int | None = None
+    forgetting: ForgettingCurveResult | None = None
+    by_position: PplByPositionResult | None = None
+
+    @classmethod
+    def load(cls, results: str | Path, label: str, step: int) -> EvaluatedModel:
+        results = Path(results)
+        model = cls(label, step)
+        if (f := results / "ppl" / "ppl.json").exists():
+            model.ppl = json.loads(f.read_text())["ppl"]
+        if (f := results / "longppl" / "longppl.json").exists():
+            data = json.loads(f.read_text())
+            model.longppl, model.n_key, model.n_tokens = data["longppl"], data["n_key"], data["n_tokens"]
+        if (f := results / "forgetting_curve" / "forgetting_curve.json").exists():
+            model.forgetting = ForgettingCurveResult.load_json(f)
+        if (f := results / "ppl_by_position" / "ppl_by_position.json").exists():
+            model.by_position = PplByPositionResult.load_json(f)
+        return model
+
+    def copy_gain(self, length: int | None = None) -> float | None:
+        """Copy minus LM accuracy: the mean over the tested lengths, or at `length` (one of them)."""
+        fc = self.forgetting
+        if fc is None:
+            return None
+        gain = np.subtract(fc.copy_acc, fc.lm_acc)
+        if length is None:
+            return float(gain.mean())
+        if length not in fc.lengths:
+            raise ConfigError(
+                f"compare_score_length={length} is not a tested length of {self.label}: {fc.lengths}"
+            )
+        return float(gain[fc.lengths.index(length)])
+
+    def row(self, score_length: int | None) -> dict:
+        fc = self.forgetting
+        per_1k = None if self.n_key is None or not self.n_tokens else 1000 * self.n_key / self.n_tokens
+        return {
+            "model": self.label,
+            "step": self.step,
+            "ppl": self.ppl,
+            "longppl": self.longppl,
+            "key_tokens_per_1k": per_1k,
+            "fine_len": None if fc is None else fc.fine_length,
+            "coarse_len": None if fc is None else fc.coarse_length,
+            "copy_gain": self.copy_gain(score_length),
+        }
+
+
+def correlations(rows: list[dict]) -> dict[str, float]:
+    """Pearson r and Spearman rho of copy_gain against ppl and longppl, over the rows that have both (NaN if < 3)."""
+    out = {}
+    for metric in ("ppl", "longppl"):
+        pairs = np.array(
+            [
+                (r["copy_gain"], r[metric])
+                for r in rows
+                if r["copy_gain"] is not None and r[metric] is not None
+            ]
+        )
+        for name, fn in (("pearson", _pearson), ("spearman", _spearman)):
+            out[f"compare/{name}/{metric}"] = fn(*pairs.T) if len(pairs) >= 3 else math.nan
+    return out
+
+
+def _pearson(x: np.ndarray, y: np.ndarray) -> float:
+    return float(np.corrcoef(x, y)[0, 1]) if x.std() > 0 and y.std() > 0 else math.nan
+
+
+def _spearman(x: np.ndarray, y: np.ndarray) -> float:
+    rank = lambda v: np.argsort(np.argsort(v, kind="stable"), kind="stable").astype(float)  # noqa: E731
+    return _pearson(rank(x), rank(y))
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The rows as a Markdown table (the README's), numbers rounded for reading."""
+    fmt = {"ppl": "{:.1f}", "longppl": "{:.1f}", "key_tokens_per_1k": "{:.1f}", "copy_gain": "{:+.3f}"}
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    for r in rows:
+        cells = ["–" if v is None else fmt.get(k, "{}").format(v) for k, v in r.items()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_comparison(models: list[EvaluatedModel], rows: list[dict], path: str | Path | None = None) -> Figure:
+    """Up to three panels, each where some model has the data: forgetting curves (copy solid, LM dashed), perplexity
+    by position, and PPL / LongPPL against the copy gain."""
+    panels = [
+        p
+        for p, has in (
+            ("forgetting", any(m.forgetting for m in models)),
+            ("position", any(m.by_position for m in models)),
+            ("scatter", any(r["copy_gain"] is not None and r["ppl"] is not None for r in rows)),
+        )
+        if has
+    ]
+    if not panels:
+        raise ConfigError(
+            "Nothing to compare: the checkpoints have no forgetting_curve or ppl_by_position results."
+        )
+    fig = Figure(figsize=(5.5 * len(panels), 4.5))
+    FigureCanvasAgg(fig)
+    colors = {m.label: f"C{i % 10}" for i, m in enumerate(models)}
+    for ax, panel in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
+        if panel == "forgetting":
+            for m in (m for m in models if m.forgetting):
+                fc = m.forgetting
+                ax.plot(fc.lengths, fc.copy_acc, "-o", ms=3, color=colors[m.label], label=f"{m.label} copy")
+                ax.plot(fc.lengths, fc.lm_acc, "--", color=colors[m.label], alpha=0.7, label=f"{m.label} LM")
+            ax.set(xlabel="prefix length l (tokens)", ylabel="next-token accuracy", ylim=(0, 1.02))
+            ax.set_title("Forgetting curves (copy solid, LM dashed)")
+        elif panel == "position":
+            for m in (m for m in models if m.by_position):
+                bp = m.by_position
+                ax.plot(
+                    np.sqrt(np.multiply(bp.edges[:-1], bp.edges[1:])),
+                    bp.ppl,
+                    "-o",
+                    ms=3,
+                    color=colors[m.label],
+                )
+            ax.set(xscale="log", yscale="log", xlabel="token position", ylabel="perplexity")
+            ax.set_title("Perplexity by position")
+        else:
+            corr = correlations(rows)
+            for metric, marker in (("ppl", "o"), ("longppl", "s")):
+                pts = [r for r in rows if r["copy_gain"] is not None and r[metric] is not None]
+                r_val = corr[f"compare/pearson/{metric}"]
+                ax.scatter(
+                    [p["copy_gain"] for p in pts],
+                    [p[metric] for p in pts],
+                    marker=marker,
+                    c=[colors[p["model"]] for p in pts],
+                    label=f"{'PPL' if metric == 'ppl' else 'LongPPL'} (r = {r_val:+.2f})",
+                )
+            ax.set(yscale="log", xlabel="copy gain (copy − LM accuracy)", ylabel="perplexity")
+            ax.set_title("PPL and LongPPL against long-context ability")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def compare(
+    models: list[EvaluatedModel], out_dir: str | Path, score_length: int | None = None
+) -> dict[str, float]:
+    """comparison.{json,csv,md,png} into out_dir; returns the correlations."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [m.row(score_length) for m in models]
+    corr = correlations(rows)
+    clean = {k: None if math.isnan(v) else v for k, v in corr.items()}
+    (out / "comparison.json").write_text(
+        json.dumps({"score_length": score_length, **clean, "models": rows}, indent=2)
+    )
+    with open(out / "comparison.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "comparison.md").write_text(markdown_table(rows))
+    plot_comparison(models, rows, out / "comparison.png")
+    return corr

@@ -1,0 +1,107 @@
+"""Comparing evaluated checkpoints: results read back from the evaluators' files, copy gain, correlations, table
+and figure; and evaluate.py compare=[...] end to end on trained checkpoints."""
+
+import json
+
+import numpy as np
+import pytest
+from test_evaluate import compose_eval, trained  # noqa: F401  (module fixture: a 4-step tiny run)
+
+from callbacks.comparison import EvaluatedModel, compare, correlations, markdown_table, plot_comparison
+from callbacks.forgetting_curve import ForgettingCurveResult
+from callbacks.ppl_by_position import PplByPositionResult
+from evaluate import evaluate
+from models.config_errors import ConfigError
+from tests.figures import assert_texts_inside
+
+
+def model(label, copy, lm, ppl, longppl):
+    fc = ForgettingCurveResult([16, 32, 64], copy, [0.0] * 3, lm, [0.0] * 3, n_samples=4, seed=0)
+    by_pos = PplByPositionResult([1, 8, 64, 512], [10.0, 20.0, 30.0], [7, 56, 448], n_docs=1)
+    return EvaluatedModel(label, 100, ppl, longppl, 12, 4000, fc, by_pos)
+
+
+def family():
+    return [
+        model("short", [0.3, 0.2, 0.2], [0.2, 0.2, 0.2], 50.0, 90.0),
+        model("mid", [0.9, 0.5, 0.25], [0.25, 0.25, 0.25], 40.0, 60.0),
+        model("long", [1.0, 0.995, 0.6], [0.3, 0.3, 0.3], 45.0, 30.0),
+        model("best", [1.0, 1.0, 0.9], [0.3, 0.3, 0.3], 48.0, 20.0),
+    ]
+
+
+def test_copy_gain_rows_and_correlations_match_their_definitions():
+    models = family()
+    rows = [m.row(None) for m in models]
+    gains = [np.mean(np.subtract(m.forgetting.copy_acc, m.forgetting.lm_acc)) for m in models]
+    assert [r["copy_gain"] for r in rows] == pytest.approx(gains)
+    assert [r["fine_len"] for r in rows] == [0, 0, 32, 32]
+    assert [r["coarse_len"] for r in rows] == [16, 32, 64, 64]
+    assert rows[0]["key_tokens_per_1k"] == pytest.approx(3.0)
+    assert models[1].copy_gain(32) == pytest.approx(0.25)
+    with pytest.raises(ConfigError, match="compare_score_length=48 is not a tested length of mid"):
+        models[1].copy_gain(48)
+
+    corr = correlations(rows)
+    g, lp, pp = np.array(gains), np.array([90.0, 60.0, 30.0, 20.0]), np.array([50.0, 40.0, 45.0, 48.0])
+
+    def pearson(x, y):
+        dx, dy = x - x.mean(), y - y.mean()
+        return (dx * dy).sum() / np.sqrt((dx**2).sum() * (dy**2).sum())
+
+    assert corr["compare/pearson/longppl"] == pytest.approx(pearson(g, lp))
+    assert corr["compare/pearson/ppl"] == pytest.approx(pearson(g, pp))
+    assert corr["compare/spearman/longppl"] == pytest.approx(-1.0)  # LongPPL falls as the gain rises
+    assert corr["compare/spearman/ppl"] == pytest.approx(
+        pearson(np.array([0, 1, 2, 3.0]), np.array([3, 0, 1, 2.0]))
+    )
+    two = correlations(rows[:2])
+    assert np.isnan(two["compare/pearson/ppl"])  # fewer than 3 models: no correlation
+
+
+def test_compare_writes_table_json_and_a_readable_figure(tmp_path):
+    models = family()
+    corr = compare(models, tmp_path, score_length=64)
+    saved = json.loads((tmp_path / "comparison.json").read_text())
+    assert saved["score_length"] == 64 and [m["copy_gain"] for m in saved["models"]] == pytest.approx(
+        [0.0, 0.0, 0.3, 0.6]
+    )
+    assert saved["compare/pearson/longppl"] == pytest.approx(corr["compare/pearson/longppl"])
+    table = (tmp_path / "comparison.md").read_text().splitlines()
+    assert table[0].startswith("| model | step | ppl | longppl |") and len(table) == 2 + len(models)
+    assert table[-1].startswith("| best | 100 | 48.0 | 20.0 | 3.0 | 32 | 64 | +0.600 |")
+    assert (tmp_path / "comparison.png").stat().st_size > 10_000
+    assert_texts_inside(plot_comparison(models, [m.row(None) for m in models]))
+    assert markdown_table([{"model": "x", "ppl": None}]).splitlines()[-1] == "| x | – |"
+
+
+def test_nothing_to_compare_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="no forgetting_curve or ppl_by_position results"):
+        compare([EvaluatedModel("bare", 0, ppl=3.0)], tmp_path)
+
+
+def test_evaluate_compare_evaluates_each_checkpoint_then_compares(trained, tmp_path):  # noqa: F811
+    run_dir, _ = trained
+    ckpts = sorted((run_dir / "checkpoints").glob("*.ckpt"))
+    assert len(ckpts) >= 2  # last.ckpt and step<N>.ckpt of the same run: named with their step
+    overrides = [
+        f"compare=[{','.join(map(str, ckpts[:2]))}]",
+        "eval=[ppl,forgetting_curve]",
+        "eval.ppl.max_len=64",
+        "eval.forgetting_curve.max_len=16",
+        "eval.forgetting_curve.n_lengths=2",
+        "eval.forgetting_curve.n_samples=2",
+        "eval.forgetting_curve.split=train",
+        f"out_dir={tmp_path / 'cmp'}",
+        "logger=csv",
+    ]
+    evaluate(compose_eval(overrides))
+    saved = json.loads((tmp_path / "cmp" / "comparison.json").read_text())
+    assert [m["model"] for m in saved["models"]] == [f"{run_dir.name}@{m['step']}" for m in saved["models"]]
+    for ckpt, row in zip(ckpts, saved["models"], strict=False):
+        results = ckpt.parent / f"{ckpt.name}.eval"
+        assert row["ppl"] == json.loads((results / "ppl" / "ppl.json").read_text())["ppl"]
+        fc = json.loads((results / "forgetting_curve" / "forgetting_curve.json").read_text())
+        assert row["copy_gain"] == pytest.approx(np.mean(np.subtract(fc["copy_acc"], fc["lm_acc"])))
+    with pytest.raises(ConfigError, match="drop ckpt_path"):
+        evaluate(compose_eval([f"compare=[{ckpts[0]}]", f"ckpt_path={ckpts[0]}"]))
