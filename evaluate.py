@@ -526,7 +526,8 @@ def evaluate(cfg: DictConfig) -> dict:
 
 def compare_checkpoints(cfg: DictConfig) -> dict[str, float]:
     """Evaluate each checkpoint of `compare` (results in its `<ckpt>.eval/`), then the comparison into out_dir.
-    A model is named by its run folder (and its step where one run gives several checkpoints)."""
+    A model is named by its run folder (and its step where one run gives several checkpoints). An entry that is a
+    folder is the out_dir of an earlier evaluate.py run (e.g. of a pretrained model): read as it is, named by it."""
     if cfg.ckpt_path or cfg.watch or cfg.export:
         raise ConfigError(
             "compare=[A.ckpt,B.ckpt,...] evaluates its own checkpoints: drop ckpt_path/watch/export."
@@ -534,6 +535,9 @@ def compare_checkpoints(cfg: DictConfig) -> dict[str, float]:
     paths = [Path(p) for p in cfg.compare]
     models = []
     for path in paths:
+        if path.is_dir():
+            models.append(EvaluatedModel.load(path, path.name, 0))
+            continue
         checkpoint = load_checkpoint(path)
         evaluator = CheckpointEvaluator(cfg, run_dir_of(path))
         try:

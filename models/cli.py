@@ -183,7 +183,7 @@ def unknown_keys_message(config_name: str, args: list[str]) -> str:
     unknown: list[str] = []
     cfg = None
     for _ in range(len(args) + 1):
-        rest = [a for a in args if override_key(a) not in unknown]
+        rest = [a for a in args if not under(override_key(a), unknown)]
         try:
             with initialize_config_dir(str(CONFIGS), version_base="1.3"):
                 cfg = compose(config_name, overrides=rest)
@@ -195,16 +195,23 @@ def unknown_keys_message(config_name: str, args: list[str]) -> str:
             unknown.append(key)
     keys = sorted(config_keys(cfg)) if cfg is not None else []
     lines = []
-    for key in unknown:
-        value = next(a.split("=", 1)[1] for a in args if override_key(a) == key)
+    for key, value in (a.split("=", 1) for a in args if under(override_key(a), unknown)):
+        key = key.lstrip("+~")
         close = closest_key(key, keys)
-        fix = (
-            f"did you mean {close}={value}?"
-            if close
-            else "it is not in the config (python train.py --cfg job)."
-        )
+        evaluator = ".".join(key.split(".")[:2])
+        if config_name == "eval" and key.startswith("eval.") and evaluator not in keys:
+            fix = f"it configures the evaluator {evaluator[5:]!r}, which eval=[...] does not list."
+        elif close:
+            fix = f"did you mean {close}={value}?"
+        else:
+            fix = f"it is not in the config (python {'evaluate' if config_name == 'eval' else 'train'}.py --cfg job)."
         lines.append(f"{key}={value}: unknown key; {fix}")
     return "\n".join(lines) or "An override names a key the config lacks."
+
+
+def under(key: str, parents: list[str]) -> bool:
+    """`key` is one of `parents` or lies below one (a missing `eval.ppl` makes `eval.ppl.max_len` unknown too)."""
+    return any(key == p or key.startswith(f"{p}.") for p in parents)
 
 
 def config_keys(node, prefix: str = "") -> Iterator[str]:

@@ -87,6 +87,16 @@ def test_several_unknown_keys_are_all_named(monkeypatch, tmp_path):
     assert got.splitlines()[1:] == ["optim.lrr=1: unknown key; did you mean optim.lr=1?"], got
 
 
+def test_options_of_an_evaluator_not_in_eval_are_named(monkeypatch):
+    """Was: an internal StopIteration (the missing key was `eval.ppl`, the override `eval.ppl.max_len`)."""
+    args = ["eval=[forgetting_curve]", "eval.ppl.max_len=5", "eval.forgetting_curve.max_le=3", *QUIET]
+    got = run_cli(monkeypatch, evaluate.main, "eval", *args)
+    assert got.splitlines() == [
+        "Error: eval.ppl.max_len=5: unknown key; it configures the evaluator 'ppl', which eval=[...] does not list.",
+        "eval.forgetting_curve.max_le=3: unknown key; did you mean eval.forgetting_curve.max_len=3?",
+    ], got
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_gpu_accelerator_without_a_gpu_is_refused_before_lightning(monkeypatch, tmp_path):
     got = run_cli(
