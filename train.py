@@ -39,7 +39,7 @@ def main(cfg: DictConfig) -> None:
         metrics = train(cfg, list(HydraConfig.get().overrides.task))
     log.info("final metrics: %s", {k: round(v, 4) for k, v in sorted(metrics.items())})
     log.info(
-        "wall time %s (all of it: a warm start built by this run included)",
+        "wall time %s (all of it: data, tokenizer or warm start built by this run included)",
         timedelta(seconds=round(time.perf_counter() - t0)),
     )
     cli.report_outputs(cfg.run_dir)

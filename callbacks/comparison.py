@@ -46,7 +46,8 @@ class EvaluatedModel:
             model.ppl = json.loads(f.read_text())["ppl"]
         if (f := results / "longppl" / "longppl.json").exists():
             data = json.loads(f.read_text())
-            model.longppl, model.n_key, model.n_tokens = data["longppl"], data["n_key"], data["n_tokens"]
+            model.longppl = data["longppl"]
+            model.n_key, model.n_tokens = int(data["longppl/n_key"]), int(data["longppl/n_tokens"])
         if (f := results / "forgetting_curve" / "forgetting_curve.json").exists():
             model.forgetting = ForgettingCurveResult.load_json(f)
         if (f := results / "ppl_by_position" / "ppl_by_position.json").exists():
@@ -119,13 +120,13 @@ def markdown_table(rows: list[dict]) -> str:
 
 def plot_comparison(models: list[EvaluatedModel], rows: list[dict], path: str | Path | None = None) -> Figure:
     """Up to three panels, each where some model has the data: forgetting curves (copy solid, LM dashed), perplexity
-    by position, and PPL / LongPPL against the copy gain."""
+    by position, and PPL / LongPPL against the copy gain (from 3 models with both, where a correlation exists)."""
     panels = [
         p
         for p, has in (
             ("forgetting", any(m.forgetting for m in models)),
             ("position", any(m.by_position for m in models)),
-            ("scatter", any(r["copy_gain"] is not None and r["ppl"] is not None for r in rows)),
+            ("scatter", sum(r["copy_gain"] is not None and r["ppl"] is not None for r in rows) >= 3),
         )
         if has
     ]
@@ -142,24 +143,23 @@ def plot_comparison(models: list[EvaluatedModel], rows: list[dict], path: str | 
                 fc = m.forgetting
                 ax.plot(fc.lengths, fc.copy_acc, "-o", ms=3, color=colors[m.label], label=f"{m.label} copy")
                 ax.plot(fc.lengths, fc.lm_acc, "--", color=colors[m.label], alpha=0.7, label=f"{m.label} LM")
-            ax.set(xlabel="prefix length l (tokens)", ylabel="next-token accuracy", ylim=(0, 1.02))
+            top = max(max(m.forgetting.copy_acc + m.forgetting.lm_acc) for m in models if m.forgetting)
+            ax.set(xlabel="prefix length l (tokens)", ylabel="next-token accuracy")
+            ax.set_ylim(0, 1.02 if top > 0.5 else None)  # small accuracies get the room to show their gap
             ax.set_title("Forgetting curves (copy solid, LM dashed)")
         elif panel == "position":
             for m in (m for m in models if m.by_position):
                 bp = m.by_position
-                ax.plot(
-                    np.sqrt(np.multiply(bp.edges[:-1], bp.edges[1:])),
-                    bp.ppl,
-                    "-o",
-                    ms=3,
-                    color=colors[m.label],
-                )
+                x = np.sqrt(np.multiply(bp.edges[:-1], bp.edges[1:]))  # geometric bin centres
+                ax.plot(x, bp.ppl, "-o", ms=3, color=colors[m.label], label=m.label)
             ax.set(xscale="log", yscale="log", xlabel="token position", ylabel="perplexity")
             ax.set_title("Perplexity by position")
         else:
             corr = correlations(rows)
             for metric, marker in (("ppl", "o"), ("longppl", "s")):
                 pts = [r for r in rows if r["copy_gain"] is not None and r[metric] is not None]
+                if not pts:
+                    continue
                 r_val = corr[f"compare/pearson/{metric}"]
                 ax.scatter(
                     [p["copy_gain"] for p in pts],
@@ -171,7 +171,10 @@ def plot_comparison(models: list[EvaluatedModel], rows: list[dict], path: str | 
             ax.set(yscale="log", xlabel="copy gain (copy − LM accuracy)", ylabel="perplexity")
             ax.set_title("PPL and LongPPL against long-context ability")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        legend = ax.legend(fontsize=7, ncol=2 if panel == "forgetting" else 1)
+        if panel == "scatter":
+            for handle in legend.legend_handles:  # the marker shape names the metric; colours name models
+                handle.set_facecolor("0.5")
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=120)

@@ -86,8 +86,14 @@ def test_evaluate_compare_evaluates_each_checkpoint_then_compares(trained, tmp_p
     assert len(ckpts) >= 2  # last.ckpt and step<N>.ckpt of the same run: named with their step
     overrides = [
         f"compare=[{','.join(map(str, ckpts[:2]))}]",
-        "eval=[ppl,forgetting_curve]",
+        "eval=[ppl,longppl,forgetting_curve]",
         "eval.ppl.max_len=64",
+        "eval.longppl.evaluator=self",
+        "eval.longppl.K=8",
+        "eval.longppl.d=8",
+        "eval.longppl.max_len=64",
+        "eval.longppl.alpha=-100",  # every token with a short context is a key token
+        "eval.longppl.beta=-100",
         "eval.forgetting_curve.max_len=16",
         "eval.forgetting_curve.n_lengths=2",
         "eval.forgetting_curve.n_samples=2",
@@ -101,7 +107,49 @@ def test_evaluate_compare_evaluates_each_checkpoint_then_compares(trained, tmp_p
     for ckpt, row in zip(ckpts, saved["models"], strict=False):
         results = ckpt.parent / f"{ckpt.name}.eval"
         assert row["ppl"] == json.loads((results / "ppl" / "ppl.json").read_text())["ppl"]
+        longppl = json.loads((results / "longppl" / "longppl.json").read_text())
+        assert row["longppl"] == longppl["longppl"] and longppl["longppl/n_key"] > 0
+        assert row["key_tokens_per_1k"] == pytest.approx(
+            1000 * longppl["longppl/n_key"] / longppl["longppl/n_tokens"]
+        )
         fc = json.loads((results / "forgetting_curve" / "forgetting_curve.json").read_text())
         assert row["copy_gain"] == pytest.approx(np.mean(np.subtract(fc["copy_acc"], fc["lm_acc"])))
     with pytest.raises(ConfigError, match="drop ckpt_path"):
         evaluate(compose_eval([f"compare=[{ckpts[0]}]", f"ckpt_path={ckpts[0]}"]))
+
+
+@pytest.mark.slow
+def test_longppl_and_the_forgetting_curve_separate_context_windows_where_ppl_barely_does(
+    tmp_path, monkeypatch
+):
+    """SmolLM2-135M through a 32-token and a 1024-token sliding window on a KJV test book (the README's window family,
+    shortened): the full window copies and the short one does not; LongPPL grows far more than PPL. About 6 minutes
+    on one core."""
+    monkeypatch.setenv("MEMLM_CACHE", str(tmp_path / "cache"))
+    for window in (32, 1024):
+        overrides = [
+            "backbone=smollm2_135m",
+            "corpus=kjv",
+            f"model.window={window}",
+            "eval=[ppl,longppl,forgetting_curve]",
+            "eval.ppl.max_docs=1",
+            "eval.ppl.max_len=1024",
+            "eval.longppl.K=64",
+            "eval.longppl.d=64",
+            "eval.longppl.max_docs=1",
+            "eval.longppl.max_len=1024",
+            "eval.forgetting_curve.max_len=128",
+            "eval.forgetting_curve.n_lengths=2",
+            "eval.forgetting_curve.n_samples=2",
+            f"out_dir={tmp_path / f'w{window}'}",
+            "logger=csv",
+        ]
+        evaluate(compose_eval(overrides))
+    evaluate(
+        compose_eval([f"compare=[{tmp_path / 'w32'},{tmp_path / 'w1024'}]", f"out_dir={tmp_path / 'cmp'}"])
+    )
+    short, full = json.loads((tmp_path / "cmp" / "comparison.json").read_text())["models"]
+    assert full["copy_gain"] > 0.4 and short["copy_gain"] < 0.05, (short, full)
+    assert full["key_tokens_per_1k"] > 5  # the KJV gives key tokens (State of the Union text: 0-2 per 1,000)
+    ppl_ratio, longppl_ratio = short["ppl"] / full["ppl"], short["longppl"] / full["longppl"]
+    assert longppl_ratio > 5 and longppl_ratio > 3 * ppl_ratio, (ppl_ratio, longppl_ratio)
