@@ -127,8 +127,8 @@ def keep_freed_memory() -> bool:
     """Let glibc keep freed blocks for reuse instead of handing every block over 32 MB back to the kernel.
 
     A CPU step allocates and frees the same big buffers each time (a 16 x 256 x 32000 logits tensor is 524 MB); by
-    default each is unmapped when freed and page-faulted back in on the next step, so that more than half of the tiny
-    LM's step was system time (bench.malloc). Returns False where the C library has no `mallopt` (not glibc)."""
+    default each is unmapped when freed and page-faulted back in on the next step, so that about half of the tiny
+    LM's step was system time (bench.malloc: 1.7x). Returns False where the C library has no `mallopt` (not glibc)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (AttributeError, OSError):

@@ -145,7 +145,7 @@ class MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2 (malloc.h)
 @pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="glibc only (mallopt / mallinfo2)")
 def test_a_cpu_run_keeps_big_freed_blocks_for_the_next_step():
     """Was: every block over 32 MB (a tiny LM's 524 MB of logits) was unmapped when freed and page-faulted back in
-    by the next step: more than half of the step was system time (bench.malloc: 2.6x faster with them kept)."""
+    by the next step: about half of the step was system time (bench.malloc: 1.7x faster with them kept)."""
     mallinfo2 = ctypes.CDLL(None).mallinfo2
     mallinfo2.restype = MallInfo2
     set_threads(None, torch.nn.Linear(2, 2), cuda=False)  # what train.py and evaluate.py call on the CPU
