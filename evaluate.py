@@ -533,22 +533,24 @@ def compare_checkpoints(cfg: DictConfig) -> dict[str, float]:
             "compare=[A.ckpt,B.ckpt,...] evaluates its own checkpoints: drop ckpt_path/watch/export."
         )
     paths = [Path(p) for p in cfg.compare]
+    runs = [None if p.is_dir() else run_dir_of(p) for p in paths]
+    evaluators: dict[Path, CheckpointEvaluator] = {}  # one a run: its checkpoints share the model and loggers
     models = []
-    for path in paths:
-        if path.is_dir():
-            models.append(EvaluatedModel.load(path, path.name, 0))
-            continue
-        checkpoint = load_checkpoint(path)
-        evaluator = CheckpointEvaluator(cfg, run_dir_of(path))
-        try:
-            evaluator(path, checkpoint)
-        finally:
+    try:
+        for path, run in zip(paths, runs, strict=True):
+            if run is None:
+                models.append(EvaluatedModel.load(path, path.name, 0))
+                continue
+            checkpoint = load_checkpoint(path)
+            if run not in evaluators:
+                evaluators[run] = CheckpointEvaluator(cfg, run)
+            evaluators[run](path, checkpoint)
+            step = int(checkpoint.get("global_step", 0))
+            label = f"{run.name}@{step}" if runs.count(run) > 1 else run.name
+            models.append(EvaluatedModel.load(results_dir(path), label, step))
+    finally:
+        for evaluator in evaluators.values():
             evaluator.close()
-        step = int(checkpoint.get("global_step", 0))
-        label = run_dir_of(path).name
-        if sum(run_dir_of(p) == run_dir_of(path) for p in paths) > 1:
-            label = f"{label}@{step}"
-        models.append(EvaluatedModel.load(results_dir(path), label, step))
     return compare(models, cfg.out_dir, cfg.compare_score_length)
 
 
