@@ -38,7 +38,7 @@ from callbacks.checkpoint import load_checkpoint
 from callbacks.comparison import EvaluatedModel, compare
 from callbacks.progress import track
 from callbacks.wandb_logger import build_wandb_logger
-from callbacks.watch import results_dir, watch, write_json
+from callbacks.watch import results_dir, state_digest, watch, write_json
 from data.corpus import Corpus, tokenize_corpus
 from data.lm_datamodule import with_specials
 from data.tokenizer import Tokenizer
@@ -106,7 +106,8 @@ def babilong(
 ) -> dict[str, float]:
     """BABILong exact-match accuracy over tasks x context lengths (0 = facts only): `n` test samples per cell with
     background from the corpus' test split (or the `official` RMT-team/babilong data). Writes babilong.json and
-    the heat map heatmap.png; returns `babilong/<task>/acc@<length>` and `babilong/acc` (mean over cells).
+    the heat map heatmap.png (with the cells of an earlier run of the same weights and settings: `merged_cells`);
+    returns this run's `babilong/<task>/acc@<length>` and `babilong/acc` (mean over them).
 
     memory="reset": the ablation of a memory model (RMT, RMT-R, ARMT): its memory is reset every segment, so facts
     before the question's segment are out of reach; writes babilong_reset.json, heatmap_reset.png and returns
@@ -132,7 +133,10 @@ def babilong(
         )
     name = "babilong" + ("_reset" if reset else "") + ("_early_facts" if early_facts else "")
     device = next(model.parameters()).device
-    table: dict[str, dict[str, float]] = {}
+    settings = dict(n=n, seed=seed, official=official, answer_prompt=answer_prompt, memory=memory)
+    settings["early_facts"] = early_facts
+    settings["weights"] = state_digest({"state_dict": model.state_dict()})
+    new: dict[str, dict[str, float]] = {}
     for task in tasks:
         data = BabilongDataModule(
             tokenizer,
@@ -153,20 +157,29 @@ def babilong(
                 out = model(batch, recurrent=False) if reset else model(batch)
                 hits += exact_match(out.logits, out.targets, batch).sum().item()
                 total += len(batch["input_ids"])
-            table.setdefault(task, {})[length_name(length)] = hits / total
-    write_json(
-        Path(out_dir) / f"{name}.json",
-        {"n": n, "seed": seed, "official": official, "memory": memory, "early_facts": early_facts}
-        | {"accuracy": table},
-    )
+            new.setdefault(task, {})[length_name(length)] = hits / total
+    table = merged_cells(Path(out_dir) / f"{name}.json", settings, new)
+    write_json(Path(out_dir) / f"{name}.json", settings | {"accuracy": table})
     notes = [", memory reset every segment"] * reset + [", facts before the last segment"] * early_facts
     plot_accuracy_heatmap(
         table,
         Path(out_dir) / f"heatmap{name.removeprefix('babilong')}.png",
         title=f"BABILong accuracy ({n} samples a cell{''.join(notes)})",
     )
-    metrics = {f"{name}/{t}/acc@{s}": acc for t, row in table.items() for s, acc in row.items()}
+    metrics = {f"{name}/{t}/acc@{s}": acc for t, row in new.items() for s, acc in row.items()}
     return metrics | {f"{name}/acc": sum(metrics.values()) / len(metrics)}
+
+
+def merged_cells(path: Path, settings: dict, new: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """The cells `new` {task: {length: acc}} over those of an earlier evaluation in `path` with the same settings
+    and the same weights (so a slow column, e.g. 1M tokens, can be added later); other earlier files are replaced."""
+    old = json.loads(path.read_text()) if path.exists() else {}
+    if {k: old.get(k) for k in settings} != settings:
+        return new
+    table = old["accuracy"]
+    for task, row in new.items():
+        table.setdefault(task, {}).update(row)
+    return table
 
 
 EARLY_FACTS_TRIES = 100  # early_facts: candidates per kept sample at most

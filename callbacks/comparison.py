@@ -1,6 +1,7 @@
 """Evaluated checkpoints side by side (`python evaluate.py compare=[A.ckpt,B.ckpt,...]`): their forgetting curves
 and perplexity by position on one figure, their fine/coarse memory lengths, and whether PPL or LongPPL tracks their
-long-context ability (Fang et al. 2024, Fig. 1b, at the scale of the models compared).
+long-context ability (Fang et al. 2024, Fig. 1b, at the scale of the models compared); and their BABILong accuracy
+as one tasks x lengths table and heat map (Kuratov et al. 2024, Fig. 3), memory-reset columns beside it.
 
 Long-context score of a model: its copy gain, copy accuracy minus LM accuracy of its forgetting curve (what having
 seen the text adds to next-token accuracy), averaged over the tested lengths, or at one tested length
@@ -13,13 +14,14 @@ from __future__ import annotations
 import csv
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from callbacks.babilong_eval import plot_accuracy_heatmap, size_key, size_label
 from callbacks.forgetting_curve import ForgettingCurveResult
 from callbacks.ppl_by_position import PplByPositionResult
 from models.config_errors import ConfigError
@@ -37,6 +39,9 @@ class EvaluatedModel:
     n_tokens: int | None = None
     forgetting: ForgettingCurveResult | None = None
     by_position: PplByPositionResult | None = None
+    babilong: dict[str, dict[str, dict[str, float]]] = field(
+        default_factory=dict
+    )  # variant -> {task: {size: acc}}
 
     @classmethod
     def load(cls, results: str | Path, label: str, step: int) -> EvaluatedModel:
@@ -52,6 +57,8 @@ class EvaluatedModel:
             model.forgetting = ForgettingCurveResult.load_json(f)
         if (f := results / "ppl_by_position" / "ppl_by_position.json").exists():
             model.by_position = PplByPositionResult.load_json(f)
+        for f in sorted((results / "babilong").glob("babilong*.json")):  # babilong[_reset][_early_facts]
+            model.babilong[f.stem] = json.loads(f.read_text())["accuracy"]
         return model
 
     def copy_gain(self, length: int | None = None) -> float | None:
@@ -108,14 +115,65 @@ def _spearman(x: np.ndarray, y: np.ndarray) -> float:
     return _pearson(rank(x), rank(y))
 
 
-def markdown_table(rows: list[dict]) -> str:
-    """The rows as a Markdown table (the README's), numbers rounded for reading."""
+def markdown_table(rows: list[dict], accuracy: str = "{}") -> str:
+    """The rows as a Markdown table (the README's), numbers rounded for reading; other floats in `accuracy`'s format."""
     fmt = {"ppl": "{:.1f}", "longppl": "{:.1f}", "key_tokens_per_1k": "{:.1f}", "copy_gain": "{:+.3f}"}
     lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     for r in rows:
-        cells = ["–" if v is None else fmt.get(k, "{}").format(v) for k, v in r.items()]
+        cells = [
+            "–" if v is None else fmt.get(k, accuracy if isinstance(v, float) else "{}").format(v)
+            for k, v in r.items()
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+VARIANTS = {  # babilong evaluator files -> column prefix
+    "babilong": "",
+    "babilong_reset": "reset ",
+    "babilong_early_facts": "early ",
+    "babilong_reset_early_facts": "early reset ",
+}
+
+
+def babilong_rows(models: list[EvaluatedModel]) -> list[dict]:
+    """One row per model and task: accuracy by length with memory carried, then the ablations' columns ("reset 1k":
+    memory reset every segment, "early 1k": facts before the last segment); None where a cell was not evaluated."""
+    cells: dict[tuple[str, str], dict[str, float]] = {}
+    columns: dict[str, tuple] = {}
+    for m in models:
+        for variant, table in m.babilong.items():
+            prefix = VARIANTS[variant]
+            for task, row in table.items():
+                for size, acc in row.items():
+                    name = prefix + size_label(size)
+                    cells.setdefault((m.label, task), {})[name] = acc
+                    columns[name] = (list(VARIANTS.values()).index(prefix), size_key(size))
+    order = sorted(columns, key=columns.get)
+    keys = sorted(
+        cells, key=lambda key: _task_number(key[1])
+    )  # stable: models keep their order within a task
+    return [
+        {"model": label, "task": task} | {c: cells[label, task].get(c) for c in order} for label, task in keys
+    ]
+
+
+def _task_number(task: str) -> int:
+    return int(task[2:]) if task[2:].isdigit() else 10**9
+
+
+def write_babilong(models: list[EvaluatedModel], out: Path) -> None:
+    """babilong.{md,png}: the tasks x lengths table of every model, and the heat map of its memory-carried cells."""
+    rows = babilong_rows(models)
+    (out / "babilong.md").write_text(markdown_table(rows, accuracy="{:.2f}"))
+    heat = {
+        f"{task} {m.label}": m.babilong["babilong"][task]
+        for task in dict.fromkeys(r["task"] for r in rows)
+        for m in models
+        if task in m.babilong.get("babilong", {})
+    }
+    if heat:
+        plot_accuracy_heatmap(heat, out / "babilong.png", title="BABILong accuracy, memory carried")
 
 
 def plot_comparison(models: list[EvaluatedModel], rows: list[dict], path: str | Path | None = None) -> Figure:
@@ -132,7 +190,7 @@ def plot_comparison(models: list[EvaluatedModel], rows: list[dict], path: str | 
     ]
     if not panels:
         raise ConfigError(
-            "Nothing to compare: the checkpoints have no forgetting_curve or ppl_by_position results."
+            "Nothing to compare: the checkpoints have no forgetting_curve, ppl_by_position or babilong results."
         )
     fig = Figure(figsize=(5.5 * len(panels), 4.5))
     FigureCanvasAgg(fig)
@@ -184,7 +242,8 @@ def plot_comparison(models: list[EvaluatedModel], rows: list[dict], path: str | 
 def compare(
     models: list[EvaluatedModel], out_dir: str | Path, score_length: int | None = None
 ) -> dict[str, float]:
-    """comparison.{json,csv,md,png} into out_dir; returns the correlations."""
+    """comparison.{json,csv,md,png} into out_dir, and babilong.{md,png} where models have BABILong results; returns
+    the correlations."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = [m.row(score_length) for m in models]
@@ -198,5 +257,9 @@ def compare(
         writer.writeheader()
         writer.writerows(rows)
     (out / "comparison.md").write_text(markdown_table(rows))
+    if any(m.babilong for m in models):
+        write_babilong(models, out)
+        if not any(m.forgetting or m.by_position for m in models):
+            return corr
     plot_comparison(models, rows, out / "comparison.png")
     return corr

@@ -54,6 +54,11 @@ class EncodedSample:
     context_len: int
 
 
+FACTS_ONLY_BAND = (
+    128  # tokens: facts-only batches take their rows from one length band (TaskTokens.draw_facts_only)
+)
+
+
 class TaskTokens:
     """bAbI samples of one task as token pieces. Fact strings repeat a lot, so each distinct text is encoded once."""
 
@@ -76,9 +81,21 @@ class TaskTokens:
             [2 + len(t) + len(a) for t, a in zip(self.tail, self.answer, strict=True)], dtype=np.int64
         )
         self.bos, self.eos = tokenizer.bos_id, tokenizer.eos_id
+        band = (self.facts_len + self.extra_len) // FACTS_ONLY_BAND
+        self.bands = [np.flatnonzero(band == b) for b in np.unique(band)]  # sample indices by length band
 
     def __len__(self) -> int:
         return len(self.facts)
+
+    def draw_facts_only(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        """`size` sample indices for a facts-only batch, rows of one band of FACTS_ONLY_BAND tokens (a band drawn
+        in proportion to its samples, so every sample stays equally likely): the batch is padded to its longest row,
+        and a long task (qa2: 17-461 tokens, qa3: up to 2k) would pad most rows several times over. Tasks whose
+        samples all lie in one band (qa1, qa4) draw from the whole pool."""
+        if len(self.bands) == 1:
+            return rng.integers(len(self), size=size)
+        band = self.bands[rng.choice(len(self.bands), p=[len(b) / len(self) for b in self.bands])]
+        return band[rng.integers(len(band), size=size)]
 
     def fitting(self, length: int | None = None, total: int | None = None) -> np.ndarray:
         """Indices of the samples whose facts fit a context of `length` (0 = facts only) or `total` tokens."""

@@ -170,7 +170,7 @@ def pretrain(
     with Progress(*Progress.get_default_columns(), disable=not progress) as bar:
         job = bar.add_task(f"pretraining on {task}", total=steps)
         for step in range(1, steps + 1):
-            rows = [facts_only(pool, int(i)) for i in rng.integers(len(pool), size=batch_size)]
+            rows = [facts_only(pool, int(i)) for i in pool.draw_facts_only(rng, batch_size)]
             batch = vocab.compact(collate(rows, tokenizer.pad_id, context_loss=True))
             answer, ctx, _ = losses(model, batch)
             loss = answer + context_weight * ctx

@@ -174,6 +174,28 @@ def test_eval_set_sample_is_a_function_of_seed_and_index(stores, qa1):
     assert len({a[i].input_ids.tobytes() for i in range(8)}) == 8
 
 
+def test_facts_only_batches_take_rows_of_one_length_band_and_every_sample_equally(tok, qa1):
+    """qa2's stories run from 17 to ~500 tokens: a batch's rows come from one 128-token band (so little padding),
+    the band drawn by its share of samples, so each sample is as likely as in a uniform draw (chi-square over the
+    bands); a task within one band (qa1) draws exactly as rng.integers over the pool."""
+    from data.babilong import FACTS_ONLY_BAND
+
+    pool = TaskTokens(generate_task("qa2", n=3000, seed=0), tok)
+    length = pool.facts_len + pool.extra_len
+    assert len(pool.bands) >= 3 and sorted(np.concatenate(pool.bands)) == list(range(len(pool)))
+    rng, counts, draws = np.random.default_rng(0), np.zeros(len(pool.bands)), 2000
+    for _ in range(draws):
+        rows = pool.draw_facts_only(rng, 8)
+        band = length[rows] // FACTS_ONLY_BAND
+        assert len(set(band.tolist())) == 1
+        counts[[int(band[0]) == int(length[b[0]] // FACTS_ONLY_BAND) for b in pool.bands].index(True)] += 1
+    expected = draws * np.array([len(b) for b in pool.bands]) / len(pool)
+    assert ((counts - expected) ** 2 / expected).sum() < 20  # chi-square, a few degrees of freedom
+    assert len(qa1.bands) == 1
+    a, b = np.random.default_rng(3), np.random.default_rng(3)
+    assert np.array_equal(qa1.draw_facts_only(a, 16), b.integers(len(qa1), size=16))
+
+
 def test_collate_left_pads_and_scores_answer_then_eos(stores, qa1, tok):
     hay = Haystack(stores["train"], "train")
     rng = np.random.default_rng(0)

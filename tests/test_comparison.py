@@ -8,12 +8,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_evaluate import compose_eval, trained  # noqa: F401  (module fixture: a 4-step tiny run)
+from test_evaluate import Oracle, cache, compose_eval, tiny_corpus, trained  # noqa: F401  (fixtures)
 
-from callbacks.comparison import EvaluatedModel, compare, correlations, markdown_table, plot_comparison
+from callbacks.comparison import (
+    EvaluatedModel,
+    babilong_rows,
+    compare,
+    correlations,
+    markdown_table,
+    plot_comparison,
+)
 from callbacks.forgetting_curve import ForgettingCurveResult
 from callbacks.ppl_by_position import PplByPositionResult
-from evaluate import evaluate
+from evaluate import babilong, evaluate
 from models.config_errors import ConfigError
 from tests.figures import assert_texts_inside
 
@@ -79,8 +86,55 @@ def test_compare_writes_table_json_and_a_readable_figure(tmp_path):
 
 
 def test_nothing_to_compare_is_a_clear_error(tmp_path):
-    with pytest.raises(ConfigError, match="no forgetting_curve or ppl_by_position results"):
+    with pytest.raises(ConfigError, match="no forgetting_curve, ppl_by_position or babilong results"):
         compare([EvaluatedModel("bare", 0, ppl=3.0)], tmp_path)
+
+
+def test_babilong_results_of_several_models_make_one_tasks_by_lengths_table(tmp_path, cache):  # noqa: F811
+    """Each model's babilong evaluator files, read back: rows by task (models in the given order within a task),
+    lengths in order, the ablations' columns after them; the heat map of the carried cells; no comparison.png
+    when there is nothing else to plot."""
+    from data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    folders = {}
+    for label, wrong in (("rmt", ("qa2",)), ("rmt_r", ())):
+        folders[label] = tmp_path / label / "babilong"
+        for task in ("qa2", "qa1"):  # each model trained and evaluated per task, in two calls: cells merge
+            babilong(
+                Oracle(tokenizer.vocab_size, wrong=wrong),
+                tokenizer,
+                tiny_corpus(),
+                folders[label],
+                tasks=(task,),
+                lengths=(200, 0),
+                n=2,
+                batch_size=2,
+            )
+    reset = {"n": 2, "memory": "reset", "accuracy": {"qa1": {"1k": 0.5}}}
+    (folders["rmt_r"] / "babilong_reset_early_facts.json").write_text(json.dumps(reset))
+    models = [EvaluatedModel.load(tmp_path / label, label, 7) for label in folders]
+    assert models[0].babilong["babilong"] == {"qa2": {"200": 0.0, "0k": 0.0}, "qa1": {"200": 1.0, "0k": 1.0}}
+    rows = babilong_rows(models)
+    assert [(r["model"], r["task"]) for r in rows] == [
+        ("rmt", "qa1"),
+        ("rmt_r", "qa1"),
+        ("rmt", "qa2"),
+        ("rmt_r", "qa2"),
+    ]
+    assert list(rows[0]) == ["model", "task", "facts only", "200", "early reset 1k"]
+    assert [r["early reset 1k"] for r in rows] == [None, 0.5, None, None]
+    compare(models, tmp_path / "cmp")
+    table = (tmp_path / "cmp" / "babilong.md").read_text().splitlines()
+    assert table[0] == "| model | task | facts only | 200 | early reset 1k |"
+    assert table[2:] == [
+        "| rmt | qa1 | 1.00 | 1.00 | – |",
+        "| rmt_r | qa1 | 1.00 | 1.00 | 0.50 |",
+        "| rmt | qa2 | 0.00 | 0.00 | – |",
+        "| rmt_r | qa2 | 1.00 | 1.00 | – |",
+    ]
+    assert (tmp_path / "cmp" / "babilong.png").stat().st_size > 5_000
+    assert not (tmp_path / "cmp" / "comparison.png").exists()
 
 
 def test_evaluate_compare_evaluates_each_checkpoint_then_compares(trained, tmp_path):  # noqa: F811
