@@ -3,7 +3,9 @@
 Stages over the maximum number of segments (RMT 1-2-4-6-8-16-32, RMT-R 2-4-6-8-16-32). In stage n every batch has
 k segments of `segment_size` tokens, exactly k * segment_size tokens per sample (no padding), with k ~ U{k_min..n}
 (k_min = 1 unless the task's shortest sample needs more), except that a share `mixed_length_ratio` of the batches
-has exactly k = n. A single-stage schedule with ratio 1 is the plain mode: every sample has n segments.
+has exactly k = n. A single-stage schedule with ratio 1 is the plain mode: every sample has n segments. A batch has
+`batch_size` rows, or with a token budget `batch_tokens` min(batch_size, batch_tokens // (k * segment_size)) (at
+least 1): a step of 32 segments then costs about what one of 2 does.
 Stage 0 (only first, e.g. [0, 1, 2]) is the easy start: the bAbI facts alone, no background (left-padded rows),
 validated on facts-only samples as `acc@0seg`; the model learns the task before it learns to find the facts.
 
@@ -68,7 +70,7 @@ def draw_segments(rng: np.random.Generator, n: int, k_min: int, mixed_length_rat
 
 class CurriculumBatches(Dataset):
     """Training batch for key (n, j): same-k samples of exactly k * segment_size tokens, a function of (seed, n, j);
-    k = 0: the facts alone (no background), left-padded to the longest row."""
+    k = 0: the facts alone (no background), left-padded to the longest row. Rows: `rows(k)`."""
 
     def __init__(
         self,
@@ -81,13 +83,21 @@ class CurriculumBatches(Dataset):
         pad_id: int,
         context_loss: bool,
         task: str,
+        batch_tokens: int | None = None,
     ):
         self.tasks, self.haystack, self.L, self.B = tasks, haystack, segment_size, batch_size
+        self.batch_tokens = batch_tokens
         self.ratio, self.seed, self.task = mixed_length_ratio, seed, task
         self.pad_id, self.context_loss = pad_id, context_loss
         shortest = int((tasks.facts_len + tasks.extra_len).min())
         self.k_min = -(-shortest // segment_size)
         self._fitting: dict[int, np.ndarray] = {}
+
+    def rows(self, k: int) -> int:
+        """Rows of a batch of k segments: batch_size, or fewer where k segments of each exceed batch_tokens."""
+        if not k or self.batch_tokens is None:
+            return self.B
+        return max(1, min(self.B, self.batch_tokens // (k * self.L)))
 
     def fitting(self, k: int) -> np.ndarray:
         if k not in self._fitting:
@@ -102,7 +112,7 @@ class CurriculumBatches(Dataset):
             idx = self.tasks.draw_facts_only(rng, self.B)
             samples = [make_sample(self.tasks, int(i), self.haystack, rng, length=0) for i in idx]
             return collate(samples, self.pad_id, self.context_loss, n_segments=0, task=self.task)
-        idx = rng.choice(self.fitting(k), size=self.B)
+        idx = rng.choice(self.fitting(k), size=self.rows(k))
         samples = [make_sample(self.tasks, int(i), self.haystack, rng, total=k * self.L) for i in idx]
         return collate(samples, self.pad_id, self.context_loss, n_segments=k, task=self.task)
 
@@ -138,6 +148,7 @@ class BabilongDataModule(L.LightningDataModule):
         mixed_length_ratio: float = 0.0,
         callback: CurriculumCallback | None = None,
         batch_size: int = 8,
+        batch_tokens: int | None = None,
         n_train: int = 10000,
         n_val: int = 100,
         n_test: int = 1000,
@@ -164,6 +175,8 @@ class BabilongDataModule(L.LightningDataModule):
         if not 0.0 <= mixed_length_ratio <= 1.0:
             raise ConfigError(f"mixed_length_ratio {mixed_length_ratio} must lie in [0, 1]")
         counts = dict(segment_size=segment_size, batch_size=batch_size, eval_batch_size=eval_batch_size)
+        if batch_tokens is not None:
+            counts["batch_tokens"] = batch_tokens
         for name, value in (counts | dict(n_train=n_train, n_val=n_val, n_test=n_test)).items():
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
@@ -185,7 +198,7 @@ class BabilongDataModule(L.LightningDataModule):
                 "segments; add them (val_segments=null validates every stage)."
             )
         self.tokenizer, self.corpus, self.callback = tokenizer, corpus, callback
-        self.segment_size, self.batch_size = segment_size, batch_size
+        self.segment_size, self.batch_size, self.batch_tokens = segment_size, batch_size, batch_tokens
         self.mixed_length_ratio = mixed_length_ratio
         self.n_train, self.n_val, self.n_test = n_train, n_val, n_test
         self.eval_batch_size, self.num_workers = eval_batch_size, num_workers
@@ -279,6 +292,7 @@ class BabilongDataModule(L.LightningDataModule):
             self.tokenizer.pad_id,
             self.context_loss,
             self.task,
+            self.batch_tokens,
         )
         first = next((n for n in self.schedule if n > 0), None)
         if first is not None and self._train.k_min > first:

@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from data.babilong import TASKS
 from data.curriculum import BabilongDataModule, CurriculumCallback, StageSampler, draw_segments
 from data.tokenizer import build_tokenizer
+from models.config_errors import ConfigError
 from tests.test_babilong import tiny_corpus
 
 L_SEG = 64
@@ -63,6 +64,22 @@ def test_batches_are_same_k_unpadded_and_exactly_k_segments(tok, cache):
         assert b["input_ids"].shape == (3, k * L_SEG) and bool(b["attention_mask"].all())
         assert (b["answer_mask"].sum(1) >= 2).all() and b["task"] == "qa1"
     assert set(ks) == {1, 2, 3, 4} and ks.count(4) > ks.count(1)
+
+
+def test_a_token_budget_gives_long_batches_fewer_rows(tok, cache):
+    """batch_tokens: rows = min(batch_size, budget // (k * segment_size)), at least one, each of k whole segments;
+    still a function of the key; facts-only batches keep batch_size; a budget < 1 is refused."""
+    dm = make_dm(tok, cache, schedule=(0, 4), batch_size=4, batch_tokens=2 * L_SEG)
+    rows = {}
+    for j in range(40):
+        b = dm.batch(4, j)
+        k = b["n_segments"]
+        rows[k] = len(b["input_ids"])
+        assert b["input_ids"].shape[1] == k * L_SEG and fingerprint(b) == fingerprint(dm.batch(4, j))
+    assert rows == {1: 2, 2: 1, 3: 1, 4: 1}
+    assert len(dm.batch(0, 0)["input_ids"]) == 4
+    with pytest.raises(ConfigError, match="batch_tokens must be >= 1"):
+        make_dm(tok, cache, batch_tokens=0)
 
 
 def test_facts_only_stage_has_no_background_and_validates_on_facts_only(tok, cache):
