@@ -133,10 +133,9 @@ def babilong(
         )
     name = "babilong" + ("_reset" if reset else "") + ("_early_facts" if early_facts else "")
     device = next(model.parameters()).device
-    settings = dict(n=n, seed=seed, official=official, answer_prompt=answer_prompt, memory=memory)
-    settings["early_facts"] = early_facts
-    settings["weights"] = state_digest({"state_dict": model.state_dict()})
-    new: dict[str, dict[str, float]] = {}
+    settings = dict(seed=seed, official=official, answer_prompt=answer_prompt, memory=memory)
+    settings |= dict(early_facts=early_facts, weights=state_digest({"state_dict": model.state_dict()}))
+    new: dict[str, dict[str, dict]] = {"accuracy": {}, "samples": {}}  # {task: {length: value}} each
     for task in tasks:
         data = BabilongDataModule(
             tokenizer,
@@ -157,29 +156,33 @@ def babilong(
                 out = model(batch, recurrent=False) if reset else model(batch)
                 hits += exact_match(out.logits, out.targets, batch).sum().item()
                 total += len(batch["input_ids"])
-            new.setdefault(task, {})[length_name(length)] = hits / total
-    table = merged_cells(Path(out_dir) / f"{name}.json", settings, new)
-    write_json(Path(out_dir) / f"{name}.json", settings | {"accuracy": table})
+            new["accuracy"].setdefault(task, {})[length_name(length)] = hits / total
+            new["samples"].setdefault(task, {})[length_name(length)] = total
+    saved = merged_cells(Path(out_dir) / f"{name}.json", settings, new)
+    write_json(Path(out_dir) / f"{name}.json", settings | saved)
+    counts = sorted({c for row in saved["samples"].values() for c in row.values()})
+    many = str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
     notes = [", memory reset every segment"] * reset + [", facts before the last segment"] * early_facts
     plot_accuracy_heatmap(
-        table,
+        saved["accuracy"],
         Path(out_dir) / f"heatmap{name.removeprefix('babilong')}.png",
-        title=f"BABILong accuracy ({n} samples a cell{''.join(notes)})",
+        title=f"BABILong accuracy ({many} samples a cell{''.join(notes)})",
     )
-    metrics = {f"{name}/{t}/acc@{s}": acc for t, row in new.items() for s, acc in row.items()}
+    metrics = {f"{name}/{t}/acc@{s}": acc for t, row in new["accuracy"].items() for s, acc in row.items()}
     return metrics | {f"{name}/acc": sum(metrics.values()) / len(metrics)}
 
 
-def merged_cells(path: Path, settings: dict, new: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-    """The cells `new` {task: {length: acc}} over those of an earlier evaluation in `path` with the same settings
-    and the same weights (so a slow column, e.g. 1M tokens, can be added later); other earlier files are replaced."""
+def merged_cells(path: Path, settings: dict, new: dict[str, dict[str, dict]]) -> dict[str, dict[str, dict]]:
+    """The tables `new` ({"accuracy": {task: {length: acc}}, "samples": ...}) over those of an earlier evaluation in
+    `path` with the same settings and weights, so a slow column (1M tokens, fewer samples) can be added later; an
+    earlier file of other settings or weights is replaced."""
     old = json.loads(path.read_text()) if path.exists() else {}
     if {k: old.get(k) for k in settings} != settings:
         return new
-    table = old["accuracy"]
-    for task, row in new.items():
-        table.setdefault(task, {}).update(row)
-    return table
+    for name, table in new.items():
+        for task, row in table.items():
+            old[name].setdefault(task, {}).update(row)
+    return {name: old[name] for name in new}
 
 
 EARLY_FACTS_TRIES = 100  # early_facts: candidates per kept sample at most

@@ -175,16 +175,19 @@ def test_babilong_memory_reset_runs_the_ablation_and_refuses_models_without_memo
 
 
 def test_babilong_adds_cells_to_an_earlier_evaluation_of_the_same_weights_only(tmp_path, cache):
-    """A later run of the same checkpoint and settings adds its lengths to babilong.json (the 1M column can come
-    later); other weights, or other settings, start the table afresh."""
+    """A later run of the same checkpoint and settings adds its lengths to babilong.json, with their own sample
+    counts (the 1M column can come later, with fewer samples); other weights, or other settings, start afresh."""
     tokenizer = build_tokenizer()
     model = RMT(build_llama(tokenizer.vocab_size, 32, 1, 2, 2, 64, 512), num_memory=2, segment_size=64).eval()
-    kwargs = dict(tasks=("qa1",), n=2, batch_size=2)
-    saved = lambda: json.loads((tmp_path / "babilong.json").read_text())["accuracy"]  # noqa: E731
-    first = babilong(model, tokenizer, tiny_corpus(), tmp_path, lengths=(0,), **kwargs)
-    later = babilong(model, tokenizer, tiny_corpus(), tmp_path, lengths=(200,), **kwargs)
+    kwargs = dict(tasks=("qa1",), batch_size=2)
+    read = lambda: json.loads((tmp_path / "babilong.json").read_text())  # noqa: E731
+    saved = lambda: read()["accuracy"]  # noqa: E731
+    first = babilong(model, tokenizer, tiny_corpus(), tmp_path, lengths=(0,), n=4, **kwargs)
+    later = babilong(model, tokenizer, tiny_corpus(), tmp_path, lengths=(200,), n=2, **kwargs)
     assert set(later) == {"babilong/qa1/acc@200", "babilong/acc"}  # this run's cells are the metrics
     assert saved() == {"qa1": {"0k": first["babilong/qa1/acc@0k"], "200": later["babilong/qa1/acc@200"]}}
+    assert read()["samples"] == {"qa1": {"0k": 4, "200": 2}}
+    kwargs["n"] = 2
     babilong(model, tokenizer, tiny_corpus(), tmp_path, lengths=(200,), seed=1, **kwargs)
     assert set(saved()["qa1"]) == {"200"}
     babilong(model, tokenizer, tiny_corpus(), tmp_path, lengths=(0,), seed=1, **kwargs)
