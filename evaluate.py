@@ -94,7 +94,7 @@ def babilong(
     tokenizer: Tokenizer,
     corpus: Corpus,
     out_dir: Path,
-    tasks: tuple[str, ...] = ("qa1", "qa2", "qa3", "qa4", "qa5"),
+    tasks: tuple[str, ...] | None = None,
     lengths: tuple[int, ...] = (0, 1024, 2048, 4096),
     n: int = 100,
     batch_size: int = 8,
@@ -104,7 +104,8 @@ def babilong(
     memory: str = "carried",
     early_facts: bool = False,
 ) -> dict[str, float]:
-    """BABILong exact-match accuracy over tasks x context lengths (0 = facts only): `n` test samples per cell with
+    """BABILong exact-match accuracy over tasks (None: qa1-qa5; of a checkpoint: the task it was trained on,
+    `checkpoint_task`) x context lengths (0 = facts only): `n` test samples per cell with
     background from the corpus' test split (or the `official` RMT-team/babilong data). Writes babilong.json and
     the heat map heatmap.png (with the cells of an earlier run of the same weights and settings: `merged_cells`);
     returns this run's `babilong/<task>/acc@<length>` and `babilong/acc` (mean over them).
@@ -136,7 +137,7 @@ def babilong(
     settings = dict(seed=seed, official=official, answer_prompt=answer_prompt, memory=memory)
     settings |= dict(early_facts=early_facts, weights=state_digest({"state_dict": model.state_dict()}))
     new: dict[str, dict[str, dict]] = {"accuracy": {}, "samples": {}}  # {task: {length: value}} each
-    for task in tasks:
+    for task in tasks or ("qa1", "qa2", "qa3", "qa4", "qa5"):
         data = BabilongDataModule(
             tokenizer,
             corpus,
@@ -430,8 +431,9 @@ class CheckpointEvaluator:
             self.loggers = build_loggers(self.cfg, self.run_dir, config)
         step = int(checkpoint.get("global_step", 0))
         out_dir = results_dir(path)
+        evaluators = checkpoint_task(OmegaConf.to_container(self.cfg.eval), config)
         metrics, images = evaluate_model(
-            self.model, self.tokenizer, self.corpus, self.cfg.eval, out_dir, self.context
+            self.model, self.tokenizer, self.corpus, evaluators, out_dir, self.context
         )
         write_results(out_dir, str(path), step, metrics)
         log_results(self.loggers, metrics, images, step)
@@ -440,6 +442,15 @@ class CheckpointEvaluator:
 
     def close(self) -> None:
         close_loggers(self.loggers or [])
+
+
+def checkpoint_task(evaluators: Mapping, config: Mapping) -> Mapping:
+    """The evaluators with `babilong.tasks` (when not given) set to the BABILong task the checkpoint trained on
+    (`config`: its training config)."""
+    task = (config.get("task") or {}).get("task")  # qa1 ... qa20; LM runs have none
+    if "babilong" not in evaluators or evaluators["babilong"].get("tasks") is not None or task is None:
+        return evaluators
+    return {**evaluators, "babilong": {**evaluators["babilong"], "tasks": [task]}}
 
 
 def export_hf(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path) -> Path:

@@ -17,7 +17,7 @@ import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
 from callbacks.watch import Watcher, results_dir
-from evaluate import evaluate_model, log_results, model_weights, write_results
+from evaluate import checkpoint_task, evaluate_model, log_results, model_weights, write_results
 from models.config_errors import ConfigError
 
 
@@ -64,7 +64,7 @@ class EvalOnSave(L.Callback):
             model,
             data.tokenizer,
             data.corpus,
-            self.evaluators,
+            checkpoint_task(self.evaluators, checkpoint.get("config") or {}),
             results_dir(path),
             trainer.precision_plugin.forward_context,
         )
