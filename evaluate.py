@@ -554,7 +554,8 @@ def evaluate(cfg: DictConfig) -> dict:
 def compare_checkpoints(cfg: DictConfig) -> dict[str, float]:
     """Evaluate each checkpoint of `compare` (results in its `<ckpt>.eval/`), then the comparison into out_dir.
     A model is named by its run folder (and its step where one run gives several checkpoints). An entry that is a
-    folder is the out_dir of an earlier evaluate.py run (e.g. of a pretrained model): read as it is, named by it."""
+    folder is read as it is: the out_dir of an earlier evaluate.py run (e.g. of a pretrained model), named by it, or
+    the results of a checkpoint (`RUN/checkpoints/last.ckpt.eval`), named by its run."""
     if cfg.ckpt_path or cfg.watch or cfg.export:
         raise ConfigError(
             "compare=[A.ckpt,B.ckpt,...] evaluates its own checkpoints: drop ckpt_path/watch/export."
@@ -565,8 +566,11 @@ def compare_checkpoints(cfg: DictConfig) -> dict[str, float]:
     models = []
     try:
         for path, run in zip(paths, runs, strict=True):
-            if run is None:
-                models.append(EvaluatedModel.load(path, path.name, 0))
+            if (
+                run is None
+            ):  # results of an earlier evaluate.py run: its out_dir, or a checkpoint's <ckpt>.eval
+                ckpt = path.with_suffix("") if path.suffix == ".eval" else None
+                models.append(EvaluatedModel.load(path, run_dir_of(ckpt).name if ckpt else path.name, 0))
                 continue
             checkpoint = load_checkpoint(path)
             if run not in evaluators:

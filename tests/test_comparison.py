@@ -171,6 +171,11 @@ def test_evaluate_compare_evaluates_each_checkpoint_then_compares(trained, tmp_p
         )
         fc = json.loads((results / "forgetting_curve" / "forgetting_curve.json").read_text())
         assert row["copy_gain"] == pytest.approx(np.mean(np.subtract(fc["copy_acc"], fc["lm_acc"])))
+    folders = [f"{c}.eval" for c in ckpts[:2]]  # read back as they are, named by their run
+    evaluate(compose_eval([f"compare=[{','.join(folders)}]", f"out_dir={tmp_path / 'again'}"]))
+    again = json.loads((tmp_path / "again" / "comparison.json").read_text())["models"]
+    assert [m["model"] for m in again] == [run_dir.name] * 2
+    assert [m["ppl"] for m in again] == [m["ppl"] for m in saved["models"]]
     with pytest.raises(ConfigError, match="drop ckpt_path"):
         evaluate(compose_eval([f"compare=[{ckpts[0]}]", f"ckpt_path={ckpts[0]}"]))
 
