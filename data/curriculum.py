@@ -28,6 +28,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 from functools import partial
+from pathlib import Path
 
 import lightning as L
 import numpy as np
@@ -228,13 +229,17 @@ class BabilongDataModule(L.LightningDataModule):
     def max_segments(self) -> int:
         return self.schedule[self.stage]
 
+    @property
+    def last_stage(self) -> bool:
+        return self.stage + 1 >= len(self.schedule)
+
     def stage_at(self, k: int) -> int:
         """The stage of local training batch k."""
         return bisect_right(self.stage_starts, k) - 1
 
     def advance(self) -> bool:
         """Move to the next stage from the next batch drawn on; False (and no change) in the last stage."""
-        if self.stage + 1 >= len(self.schedule):
+        if self.last_stage:
             return False
         self.stage += 1
         self.stage_starts.append(max(self.drawn, self.next_batch_index(), self.stage_starts[-1]))
@@ -376,6 +381,8 @@ class CurriculumCallback(Callback):
 
     `monitor` may name the stage: "val/{task}/acc@{segments}seg" reads the accuracy at the stage's segment count.
     With `stop_after_last_stage`, training stops when the last stage stops improving (the paper's early stopping).
+    With `stage_checkpoints`, the state at the end of each stage but the last (which last.ckpt holds) is kept as
+    `stage<i>-<n>seg.ckpt` beside the run's checkpoints, so each stage's model can be evaluated on the length grid.
     Logs `train/curriculum_stage` (index) and `train/curriculum_segments` (the stage's maximum) every step.
     """
 
@@ -387,6 +394,7 @@ class CurriculumCallback(Callback):
         min_delta: float = 0.0,
         max_steps_per_stage: int | None = None,
         stop_after_last_stage: bool = False,
+        stage_checkpoints: bool = True,
     ):
         if mode not in ("max", "min"):
             raise ConfigError(f"mode {mode!r} must be 'max' or 'min'")
@@ -396,6 +404,7 @@ class CurriculumCallback(Callback):
             )
         self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, min_delta
         self.max_steps_per_stage, self.stop_after_last_stage = max_steps_per_stage, stop_after_last_stage
+        self.stage_checkpoints = stage_checkpoints
         self.best: float | None = None
         self.wait = 0
         self.stage_start_step = 0
@@ -436,6 +445,9 @@ class CurriculumCallback(Callback):
         )
         if not (stalled or spent):
             return
+        if self.stage_checkpoints and trainer.checkpoint_callback is not None and not dm.last_stage:
+            name = f"stage{dm.stage}-{dm.max_segments}seg.ckpt"
+            trainer.save_checkpoint(Path(trainer.checkpoint_callback.dirpath) / name)
         if dm.advance():
             self.best, self.wait, self.stage_start_step = None, 0, trainer.global_step
         elif stalled and self.stop_after_last_stage:

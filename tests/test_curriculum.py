@@ -187,6 +187,17 @@ def test_stage_advances_on_patience_inside_one_fit(tok, cache, tmp_path):
     assert {k for _, (k, _) in probe.seen[: dm.stage_starts[1]]} == {1}
 
 
+def test_each_finished_stage_leaves_a_checkpoint_of_its_end(tok, cache, tmp_path):
+    dm = make_dm(tok, cache, callback=CurriculumCallback(patience=1))
+    fit(dm, Probe(lambda step: 0.5), 12, tmp_path, checkpoint=True)  # stages end at the validations of steps 4, 8
+    names = sorted(p.name for p in tmp_path.glob("stage*.ckpt"))
+    assert names == [f"stage0-{dm.schedule[0]}seg.ckpt", f"stage1-{dm.schedule[1]}seg.ckpt"]  # not the last stage
+    for i, (name, step) in enumerate(zip(names, (4, 8), strict=True)):
+        ckpt = torch.load(tmp_path / name, weights_only=False)
+        assert ckpt["global_step"] == step
+        assert ckpt["BabilongDataModule"]["stage"] == i  # saved before the stage advanced: resumes in it
+
+
 def test_stage_advances_on_step_budget(tok, cache, tmp_path):
     dm = make_dm(tok, cache, callback=CurriculumCallback(patience=None, max_steps_per_stage=4))
     fit(dm, Probe(lambda step: step), 10, tmp_path)  # always improving: only the budget moves on
