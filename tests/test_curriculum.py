@@ -189,9 +189,9 @@ def test_stage_advances_on_patience_inside_one_fit(tok, cache, tmp_path):
 
 def test_each_finished_stage_leaves_a_checkpoint_of_its_end(tok, cache, tmp_path):
     dm = make_dm(tok, cache, callback=CurriculumCallback(patience=1))
-    fit(dm, Probe(lambda step: 0.5), 12, tmp_path, checkpoint=True)  # stages end at the validations of steps 4, 8
-    names = sorted(p.name for p in tmp_path.glob("stage*.ckpt"))
-    assert names == [f"stage0-{dm.schedule[0]}seg.ckpt", f"stage1-{dm.schedule[1]}seg.ckpt"]  # not the last stage
+    fit(dm, Probe(lambda step: 0.5), 12, tmp_path, checkpoint=True)  # stages end at the validations of 4, 8
+    names = sorted(p.name for p in tmp_path.glob("stage*.ckpt"))  # not the last stage: last.ckpt holds it
+    assert names == [f"stage0-{dm.schedule[0]}seg.ckpt", f"stage1-{dm.schedule[1]}seg.ckpt"]
     for i, (name, step) in enumerate(zip(names, (4, 8), strict=True)):
         ckpt = torch.load(tmp_path / name, weights_only=False)
         assert ckpt["global_step"] == step
