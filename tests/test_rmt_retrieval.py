@@ -101,3 +101,17 @@ def test_stream_restart_drops_states_no_row_can_use():
     model({"input_ids": ids[:, :L], "labels": labels[:, :L], "reset": torch.tensor([False, True])})
     assert model._carried[False].bank.valid.any(0).all()
     assert model._carried[False].bank.size == 4 * m  # row 0: M_0 + 2 segments; row 1: M_0 + 1 segment
+
+
+def test_attention_spreads_over_the_valid_bank_entries_only():
+    """Each row's probabilities are the softmax of q k / sqrt(D) over its valid entries, 0 at the others."""
+    torch.manual_seed(0)
+    model = RMTRetrieval(tiny_backbone(), num_memory=3, segment_size=4)
+    memory, keys, values = torch.randn(2, 3, 32), torch.randn(2, 7, 32), torch.randn(2, 7, 32)
+    valid = torch.tensor([[1, 0, 1, 1, 0, 1, 1], [0, 0, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    att = model.retrieval.attention(memory, MemoryBank.start(keys, values, valid))
+    q = model.retrieval.q_proj(model.retrieval.norm_q(memory))
+    for b in range(2):
+        expected = torch.zeros(3, 7)
+        expected[:, valid[b]] = torch.softmax(q[b] @ keys[b, valid[b]].T / math.sqrt(32), -1)
+        torch.testing.assert_close(att[b], expected)
