@@ -82,20 +82,30 @@ class TaskTokens:
         )
         self.bos, self.eos = tokenizer.bos_id, tokenizer.eos_id
         band = (self.facts_len + self.extra_len) // FACTS_ONLY_BAND
-        self.bands = [np.flatnonzero(band == b) for b in np.unique(band)]  # sample indices by length band
+        self.band_ids = np.unique(band)  # band b holds the samples of FACTS_ONLY_BAND * [b, b + 1) tokens
+        self.bands = [np.flatnonzero(band == b) for b in self.band_ids]  # sample indices by length band
 
     def __len__(self) -> int:
         return len(self.facts)
 
-    def draw_facts_only(self, rng: np.random.Generator, size: int) -> np.ndarray:
-        """`size` sample indices for a facts-only batch, rows of one band of FACTS_ONLY_BAND tokens (a band drawn
-        in proportion to its samples, so every sample stays equally likely): the batch is padded to its longest row,
-        and a long task (qa2: 17-461 tokens, qa3: up to 2k) would pad most rows several times over. Tasks whose
-        samples all lie in one band (qa1, qa4) draw from the whole pool."""
+    def draw_facts_only(
+        self, rng: np.random.Generator, size: int, max_tokens: int | None = None
+    ) -> np.ndarray:
+        """Sample indices for a facts-only batch, rows of one band of FACTS_ONLY_BAND tokens: the batch is padded to
+        its longest row, and a long task (qa2: 17-461 tokens, qa3: up to 2k) would pad most rows several times over.
+        A batch has `size` rows, or with a token budget `max_tokens` min(size, max_tokens // the band's longest
+        row) (at least 1), so a step of long stories costs about what one of short stories does. Bands are drawn in
+        proportion to their samples / rows, so every sample stays equally likely to be drawn. Tasks whose samples
+        all lie in one band (qa1, qa4) draw from the whole pool."""
+        rows = [
+            size if max_tokens is None else max(1, min(size, max_tokens // (FACTS_ONLY_BAND * (b + 1))))
+            for b in self.band_ids
+        ]
         if len(self.bands) == 1:
-            return rng.integers(len(self), size=size)
-        band = self.bands[rng.choice(len(self.bands), p=[len(b) / len(self) for b in self.bands])]
-        return band[rng.integers(len(band), size=size)]
+            return rng.integers(len(self), size=rows[0])
+        weights = np.array([len(band) / r for band, r in zip(self.bands, rows, strict=True)])
+        i = rng.choice(len(self.bands), p=weights / weights.sum())
+        return self.bands[i][rng.integers(len(self.bands[i]), size=rows[i])]
 
     def fitting(self, length: int | None = None, total: int | None = None) -> np.ndarray:
         """Indices of the samples whose facts fit a context of `length` (0 = facts only) or `total` tokens."""

@@ -110,7 +110,7 @@ class CurriculumBatches(Dataset):
         rng = np.random.default_rng([self.seed, TRAIN, n, j])
         k = draw_segments(rng, n, self.k_min, self.ratio)
         if k == 0:
-            idx = self.tasks.draw_facts_only(rng, self.B)
+            idx = self.tasks.draw_facts_only(rng, self.B, self.batch_tokens)
             samples = [make_sample(self.tasks, int(i), self.haystack, rng, length=0) for i in idx]
             return collate(samples, self.pad_id, self.context_loss, n_segments=0, task=self.task)
         idx = rng.choice(self.fitting(k), size=self.rows(k))

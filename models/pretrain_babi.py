@@ -120,6 +120,7 @@ def pretrain(
     task: str = "qa1",
     steps: int = 9000,
     batch_size: int = 32,
+    batch_tokens: int | None = None,
     lr: float = 2e-3,
     warmup_steps: int = 100,
     context_weight: float = 1.0,
@@ -132,6 +133,8 @@ def pretrain(
     progress: bool = False,
 ) -> float:
     """Train `backbone` in place on facts-only samples of `task`; returns the final validation exact match.
+    A batch has `batch_size` stories of one length band, fewer for long bands with a token budget `batch_tokens`
+    (TaskTokens.draw_facts_only): qa2, qa3 and qa5 stories run to hundreds of tokens.
 
     Stops early once the validation accuracy reaches `target_accuracy` (None: run every step). `log` (default:
     print) gets what the run will do, a JSON line per evaluation (with the ETA of the remaining steps) and why it
@@ -161,16 +164,17 @@ def pretrain(
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup_steps))
     rng = np.random.default_rng(seed)
+    budget = f" (at most {batch_tokens} tokens)" if batch_tokens else ""
     stop = f", stopping once it reaches {target_accuracy}" if target_accuracy is not None else ""
     log(
         f"Warm start: next-token training of the backbone on {task} facts-only stories, up to {steps} steps of "
-        f"{batch_size}; facts-only exact match on {n_val} held-out stories every {eval_every} steps{stop}."
+        f"{batch_size} stories{budget}; facts-only exact match on {n_val} held-out stories every {eval_every} steps{stop}."
     )
     t0, acc = time.perf_counter(), 0.0
     with Progress(*Progress.get_default_columns(), disable=not progress) as bar:
         job = bar.add_task(f"pretraining on {task}", total=steps)
         for step in range(1, steps + 1):
-            rows = [facts_only(pool, int(i)) for i in pool.draw_facts_only(rng, batch_size)]
+            rows = [facts_only(pool, int(i)) for i in pool.draw_facts_only(rng, batch_size, batch_tokens)]
             batch = vocab.compact(collate(rows, tokenizer.pad_id, context_loss=True))
             answer, ctx, _ = losses(model, batch)
             loss = answer + context_weight * ctx

@@ -196,6 +196,29 @@ def test_facts_only_batches_take_rows_of_one_length_band_and_every_sample_equall
     assert np.array_equal(qa1.draw_facts_only(a, 16), b.integers(len(qa1), size=16))
 
 
+def test_a_token_budget_gives_long_bands_fewer_rows_and_keeps_samples_equally_likely(tok, qa1):
+    """With max_tokens, a band of stories up to 128 (b + 1) tokens gets max_tokens // (128 (b + 1)) rows, and each
+    sample is still drawn equally often: bands come in proportion to samples / rows (chi-square over the rows)."""
+    from data.babilong import FACTS_ONLY_BAND
+
+    pool = TaskTokens(generate_task("qa2", n=3000, seed=0), tok)
+    length = pool.facts_len + pool.extra_len
+    budget, size = 1024, 8
+    rng, rows_by_band = np.random.default_rng(0), np.zeros(len(pool.bands))
+    for _ in range(3000):
+        rows = pool.draw_facts_only(rng, size, max_tokens=budget)
+        b = int(length[rows[0]] // FACTS_ONLY_BAND)
+        assert (length[rows] // FACTS_ONLY_BAND == b).all()
+        assert len(rows) == max(1, min(size, budget // (FACTS_ONLY_BAND * (b + 1))))
+        rows_by_band[list(pool.band_ids).index(b)] += len(rows)
+    expected = rows_by_band.sum() * np.array([len(b) for b in pool.bands]) / len(pool)
+    assert (
+        (rows_by_band - expected) ** 2 / expected
+    ).sum() < 40  # a few degrees of freedom, rows come in groups
+    a, b = np.random.default_rng(3), np.random.default_rng(3)  # one band within the budget: the plain draw
+    assert np.array_equal(qa1.draw_facts_only(a, 16, max_tokens=4096), b.integers(len(qa1), size=16))
+
+
 def test_collate_left_pads_and_scores_answer_then_eos(stores, qa1, tok):
     hay = Haystack(stores["train"], "train")
     rng = np.random.default_rng(0)

@@ -68,7 +68,8 @@ def test_batches_are_same_k_unpadded_and_exactly_k_segments(tok, cache):
 
 def test_a_token_budget_gives_long_batches_fewer_rows(tok, cache):
     """batch_tokens: rows = min(batch_size, budget // (k * segment_size)), at least one, each of k whole segments;
-    still a function of the key; facts-only batches keep batch_size; a budget < 1 is refused."""
+    still a function of the key; facts-only batches (qa1: one band of stories up to 128 tokens) get
+    budget // 128 rows; a budget < 1 is refused."""
     dm = make_dm(tok, cache, schedule=(0, 4), batch_size=4, batch_tokens=2 * L_SEG)
     rows = {}
     for j in range(40):
@@ -77,7 +78,11 @@ def test_a_token_budget_gives_long_batches_fewer_rows(tok, cache):
         rows[k] = len(b["input_ids"])
         assert b["input_ids"].shape[1] == k * L_SEG and fingerprint(b) == fingerprint(dm.batch(4, j))
     assert rows == {1: 2, 2: 1, 3: 1, 4: 1}
-    assert len(dm.batch(0, 0)["input_ids"]) == 4
+    assert len(dm.batch(0, 0)["input_ids"]) == max(1, 2 * L_SEG // 128)
+    assert (
+        len(make_dm(tok, cache, schedule=(0, 4), batch_size=4, batch_tokens=3 * 128).batch(0, 0)["input_ids"])
+        == 3
+    )
     with pytest.raises(ConfigError, match="batch_tokens must be >= 1"):
         make_dm(tok, cache, batch_tokens=0)
 
