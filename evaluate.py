@@ -553,7 +553,8 @@ def evaluate(cfg: DictConfig) -> dict:
 
 def compare_checkpoints(cfg: DictConfig) -> dict[str, float]:
     """Evaluate each checkpoint of `compare` (results in its `<ckpt>.eval/`), then the comparison into out_dir.
-    A model is named by its run folder (and its step where one run gives several checkpoints). An entry that is a
+    A model is named by its run folder, and by its checkpoint file where one run gives several (`run@last`,
+    `run@stage2-4seg`). An entry that is a
     folder is read as it is: the out_dir of an earlier evaluate.py run (e.g. of a pretrained model), named by it, or
     the results of a checkpoint (`RUN/checkpoints/last.ckpt.eval`), named by its run."""
     if cfg.ckpt_path or cfg.watch or cfg.export:
@@ -561,24 +562,30 @@ def compare_checkpoints(cfg: DictConfig) -> dict[str, float]:
             "compare=[A.ckpt,B.ckpt,...] evaluates its own checkpoints: drop ckpt_path/watch/export."
         )
     paths = [Path(p) for p in cfg.compare]
-    runs = [None if p.is_dir() else run_dir_of(p) for p in paths]
+    # the checkpoint of each entry: a file, or the one whose results folder (<ckpt>.eval) it is; None: an out_dir
+    ckpts = [p.with_suffix("") if p.suffix == ".eval" else p for p in paths]
+    ckpts = [None if p.is_dir() and c == p else c for p, c in zip(paths, ckpts, strict=True)]
+    runs = [run_dir_of(c) if c else None for c in ckpts]
+    labels = [
+        path.name if run is None else f"{run.name}@{ckpt.stem}" if runs.count(run) > 1 else run.name
+        for path, ckpt, run in zip(paths, ckpts, runs, strict=True)
+    ]
     evaluators: dict[Path, CheckpointEvaluator] = {}  # one a run: its checkpoints share the model and loggers
     models = []
     try:
-        for path, run in zip(paths, runs, strict=True):
+        for path, run, label in zip(paths, runs, labels, strict=True):
             if (
-                run is None
+                path.is_dir()
             ):  # results of an earlier evaluate.py run: its out_dir, or a checkpoint's <ckpt>.eval
-                ckpt = path.with_suffix("") if path.suffix == ".eval" else None
-                models.append(EvaluatedModel.load(path, run_dir_of(ckpt).name if ckpt else path.name, 0))
+                models.append(EvaluatedModel.load(path, label, 0))
                 continue
             checkpoint = load_checkpoint(path)
             if run not in evaluators:
                 evaluators[run] = CheckpointEvaluator(cfg, run)
             evaluators[run](path, checkpoint)
-            step = int(checkpoint.get("global_step", 0))
-            label = f"{run.name}@{step}" if runs.count(run) > 1 else run.name
-            models.append(EvaluatedModel.load(results_dir(path), label, step))
+            models.append(
+                EvaluatedModel.load(results_dir(path), label, int(checkpoint.get("global_step", 0)))
+            )
     finally:
         for evaluator in evaluators.values():
             evaluator.close()

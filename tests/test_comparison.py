@@ -140,7 +140,7 @@ def test_babilong_results_of_several_models_make_one_tasks_by_lengths_table(tmp_
 def test_evaluate_compare_evaluates_each_checkpoint_then_compares(trained, tmp_path):  # noqa: F811
     run_dir, _ = trained
     ckpts = sorted((run_dir / "checkpoints").glob("*.ckpt"))
-    assert len(ckpts) >= 2  # last.ckpt and step<N>.ckpt of the same run: named with their step
+    assert len(ckpts) >= 2  # last.ckpt and step<N>.ckpt of the same run: named with their file
     overrides = [
         f"compare=[{','.join(map(str, ckpts[:2]))}]",
         "eval=[ppl,longppl,forgetting_curve]",
@@ -160,7 +160,7 @@ def test_evaluate_compare_evaluates_each_checkpoint_then_compares(trained, tmp_p
     ]
     evaluate(compose_eval(overrides))
     saved = json.loads((tmp_path / "cmp" / "comparison.json").read_text())
-    assert [m["model"] for m in saved["models"]] == [f"{run_dir.name}@{m['step']}" for m in saved["models"]]
+    assert [m["model"] for m in saved["models"]] == [f"{run_dir.name}@{c.stem}" for c in ckpts[:2]]
     for ckpt, row in zip(ckpts, saved["models"], strict=False):
         results = ckpt.parent / f"{ckpt.name}.eval"
         assert row["ppl"] == json.loads((results / "ppl" / "ppl.json").read_text())["ppl"]
@@ -171,10 +171,10 @@ def test_evaluate_compare_evaluates_each_checkpoint_then_compares(trained, tmp_p
         )
         fc = json.loads((results / "forgetting_curve" / "forgetting_curve.json").read_text())
         assert row["copy_gain"] == pytest.approx(np.mean(np.subtract(fc["copy_acc"], fc["lm_acc"])))
-    folders = [f"{c}.eval" for c in ckpts[:2]]  # read back as they are, named by their run
+    folders = [f"{c}.eval" for c in ckpts[:2]]  # read back as they are, named as their checkpoints
     evaluate(compose_eval([f"compare=[{','.join(folders)}]", f"out_dir={tmp_path / 'again'}"]))
     again = json.loads((tmp_path / "again" / "comparison.json").read_text())["models"]
-    assert [m["model"] for m in again] == [run_dir.name] * 2
+    assert [m["model"] for m in again] == [m["model"] for m in saved["models"]]  # one row each
     assert [m["ppl"] for m in again] == [m["ppl"] for m in saved["models"]]
     with pytest.raises(ConfigError, match="drop ckpt_path"):
         evaluate(compose_eval([f"compare=[{ckpts[0]}]", f"ckpt_path={ckpts[0]}"]))
