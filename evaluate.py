@@ -554,9 +554,9 @@ def evaluate(cfg: DictConfig) -> dict:
 def compare_checkpoints(cfg: DictConfig) -> dict[str, float]:
     """Evaluate each checkpoint of `compare` (results in its `<ckpt>.eval/`), then the comparison into out_dir.
     A model is named by its run folder, and by its checkpoint file where one run gives several (`run@last`,
-    `run@stage2-4seg`). An entry that is a
-    folder is read as it is: the out_dir of an earlier evaluate.py run (e.g. of a pretrained model), named by it, or
-    the results of a checkpoint (`RUN/checkpoints/last.ckpt.eval`), named by its run."""
+    `run@stage2-4seg`). An entry that is a folder is read as it is: the out_dir of an earlier evaluate.py run (e.g.
+    of a pretrained model), named by it, or the results of a checkpoint (`RUN/checkpoints/last.ckpt.eval`), named
+    as that checkpoint."""
     if cfg.ckpt_path or cfg.watch or cfg.export:
         raise ConfigError(
             "compare=[A.ckpt,B.ckpt,...] evaluates its own checkpoints: drop ckpt_path/watch/export."
@@ -574,9 +574,7 @@ def compare_checkpoints(cfg: DictConfig) -> dict[str, float]:
     models = []
     try:
         for path, run, label in zip(paths, runs, labels, strict=True):
-            if (
-                path.is_dir()
-            ):  # results of an earlier evaluate.py run: its out_dir, or a checkpoint's <ckpt>.eval
+            if path.is_dir():  # results of an earlier run: an out_dir, or a checkpoint's <ckpt>.eval
                 models.append(EvaluatedModel.load(path, label, 0))
                 continue
             checkpoint = load_checkpoint(path)
