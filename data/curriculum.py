@@ -95,7 +95,8 @@ class CurriculumBatches(Dataset):
         self._fitting: dict[int, np.ndarray] = {}
 
     def rows(self, k: int) -> int:
-        """Rows of a batch of k segments: batch_size, or fewer where k segments of each exceed batch_tokens."""
+        """Rows of a batch of k segments: batch_size, or fewer where k segments of each exceed batch_tokens
+        (facts-only batches, k = 0: by the length band of their stories, TaskTokens.draw_facts_only)."""
         if not k or self.batch_tokens is None:
             return self.B
         return max(1, min(self.B, self.batch_tokens // (k * self.L)))
