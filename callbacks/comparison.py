@@ -243,9 +243,13 @@ def compare(
     models: list[EvaluatedModel], out_dir: str | Path, score_length: int | None = None
 ) -> dict[str, float]:
     """comparison.{json,csv,md,png} into out_dir, and babilong.{md,png} where models have BABILong results; returns
-    the correlations."""
+    the correlations (none when the models have BABILong results only)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if any(m.babilong for m in models):
+        write_babilong(models, out)
+        if not any(m.ppl or m.longppl or m.forgetting or m.by_position for m in models):
+            return {}
     rows = [m.row(score_length) for m in models]
     corr = correlations(rows)
     clean = {k: None if math.isnan(v) else v for k, v in corr.items()}
@@ -257,9 +261,7 @@ def compare(
         writer.writeheader()
         writer.writerows(rows)
     (out / "comparison.md").write_text(markdown_table(rows))
-    if any(m.babilong for m in models):
-        write_babilong(models, out)
-        if not any(m.forgetting or m.by_position for m in models):
-            return corr
+    if any(m.babilong for m in models) and not any(m.forgetting or m.by_position for m in models):
+        return corr  # nothing to plot beside the heat map
     plot_comparison(models, rows, out / "comparison.png")
     return corr
