@@ -4,17 +4,36 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 BLOCK = 32768
 HEADER = 7  # file header ":W&B" + magic (2) + version (1); record header crc (4) + length (2) + type (1)
 
 
+def finished_run(path: Path, timeout: float = 60.0) -> bytes:
+    """The run file's bytes once W&B has written its `exit` record: `wandb.finish()` can return while W&B's service
+    process is still writing an offline run (the file then holds its 7-byte header only)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        data = Path(path).read_bytes()
+        try:
+            done = any(r.WhichOneof("record_type") == "exit" for r in parse(data))
+        except Exception:  # a record still being written
+            done = False
+        if done or time.monotonic() > deadline:
+            return data
+        time.sleep(0.2)
+
+
 def records(path: Path):
+    return parse(finished_run(path))
+
+
+def parse(data: bytes):
     from wandb.proto import wandb_internal_pb2
 
-    data = Path(path).read_bytes()
-    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
+    assert data[:4] == b":W&B", "not a W&B run file"
     pos, chunks = HEADER, []
     while pos + HEADER <= len(data):
         if BLOCK - pos % BLOCK < HEADER:  # block trailer padding
