@@ -30,7 +30,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from torch import Tensor
 
-from models.llama import Attention, Llama, apply_rope, rope_cos_sin
+from models.llama import Attention, Llama, apply_rope
 from models.memory import MemoryState
 from models.rmt import RMT
 
@@ -111,15 +111,15 @@ def fact_segments(input_ids: np.ndarray, facts: list[np.ndarray], bounds: list[t
     return found
 
 
-def attention_probs(attn: Attention, x: Tensor, positions: Tensor, mask_for) -> Tensor:
+def attention_probs(attn: Attention, x: Tensor, rope_for, mask_for) -> Tensor:
     """Probabilities (B, H, T, T) of one of our Llama's attention layers, from its inputs (as the layer gets them:
-    normed hidden states x (B, T, D), positions (B, T) and its mask builder), without a KV cache."""
+    normed hidden states x (B, T, D), its rotary and mask builders), without a KV cache."""
     cfg, (B, T, _) = attn.cfg, x.shape
     q = attn.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)
     k = attn.k_proj(x).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
     if cfg.key_norm:
         k = F.normalize(k, dim=-1)
-    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, q.dtype)
+    cos, sin = (t.to(q.dtype) for t in rope_for(T))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k = k.repeat_interleave(cfg.n_heads // cfg.n_kv_heads, dim=1)
     scores = (q @ k.transpose(-1, -2)) * (cfg.attn_scale or cfg.head_dim**-0.5)  # (B, H, T, T)

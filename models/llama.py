@@ -114,21 +114,17 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.n_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, positions: Tensor, mask_for, cache: KVCacheHook | None, layer: int):
+    def forward(self, x: Tensor, rope_for, mask_for, cache: KVCacheHook | None, layer: int):
         cfg, (B, T, _) = self.cfg, x.shape
         q = self.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.k_proj(x).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
         v = self.v_proj(x).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         if cfg.key_norm:
             k = F.normalize(k, dim=-1)
-        if cache is None:
-            cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, q.dtype)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        else:
+        if cache is not None:
             k, v = cache.update(layer, k, v)  # un-rotated, cached ones first: (B, Hkv, Tk, hd)
-            key_pos = torch.arange(k.shape[2], device=x.device).expand(B, -1)
-            cos, sin = rope_cos_sin(key_pos, cfg.head_dim, cfg.rope_theta, q.dtype)
-            q, k = apply_rope(q, cos[:, :, -T:], sin[:, :, -T:]), apply_rope(k, cos, sin)
+        cos, sin = (t.to(q.dtype) for t in rope_for(k.shape[2]))  # the keys' (B, 1, Tk, hd); queries: last T
+        q, k = apply_rope(q, cos[:, :, -T:], sin[:, :, -T:]), apply_rope(k, cos, sin)
         mask = mask_for(k.shape[2])
         if mask is not None and mask.is_floating_point():
             mask = mask.to(q.dtype)  # an ALiBi bias meets autocast's dtype
@@ -163,8 +159,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, mask_for, cache, layer):
-        x = x + self.self_attn(self.input_layernorm(x), positions, mask_for, cache, layer)
+    def forward(self, x, rope_for, mask_for, cache, layer):
+        x = x + self.self_attn(self.input_layernorm(x), rope_for, mask_for, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -253,12 +249,23 @@ class Llama(nn.Module):
             else:
                 position_ids = torch.arange(T, device=x.device).expand(B, -1)
         masks: dict[int, Tensor | None] = {}
+        ropes: dict[int, tuple[Tensor, Tensor]] = {}
+
+        def key_positions(Tk: int) -> Tensor:  # (B|1, Tk): as given, or 0..Tk-1 after a KV cache
+            return position_ids if kv_cache is None else torch.arange(Tk, device=x.device)[None]
+
+        def rope_for(Tk: int) -> tuple[Tensor, Tensor]:  # the same for every layer: float32 cos, sin once
+            if Tk not in ropes:
+                ropes[Tk] = rope_cos_sin(
+                    key_positions(Tk), self.cfg.head_dim, self.cfg.rope_theta, torch.float32
+                )
+            return ropes[Tk]
 
         def mask_for(Tk: int) -> Tensor | None:  # the same for every layer; built once per key length
             if Tk not in masks:
                 mask = build_attention_mask(attention_mask, T, Tk, x.device)
                 if self.cfg.alibi:  # key positions as the attention's RoPE sees them
-                    k_pos = position_ids if kv_cache is None else torch.arange(Tk, device=x.device)[None]
+                    k_pos = key_positions(Tk)
                     mask = alibi_bias(k_pos[:, -T:], k_pos, self.cfg.n_heads, mask)
                 masks[Tk] = mask
             return masks[Tk]
@@ -266,7 +273,7 @@ class Llama(nn.Module):
         for i, layer in enumerate(self.layers):
             if residual_hook is not None:
                 x = residual_hook(i, x)
-            x = layer(x, position_ids, mask_for, kv_cache, i)
+            x = layer(x, rope_for, mask_for, kv_cache, i)
         if residual_hook is not None:
             x = residual_hook(len(self.layers), x)
         return self.norm(x)

@@ -75,10 +75,10 @@ def test_alibi_attention_equals_a_hand_written_softmax_with_the_linear_bias():
         i[None, :] > i[:, None], -torch.inf
     )
     expected = attn.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, T, -1))
-    seen = {}  # the model builds the bias once per forward and hands every layer its mask_for
-    attn.register_forward_pre_hook(lambda module, args: seen.update(mask_for=args[2]))
+    seen = {}  # the model builds rotary tables and bias once per forward and hands every layer their builders
+    attn.register_forward_pre_hook(lambda module, args: seen.update(rope_for=args[1], mask_for=args[2]))
     model(torch.randint(0, 97, (2, T)))
-    torch.testing.assert_close(attn(x, positions, seen["mask_for"], None, 0), expected)
+    torch.testing.assert_close(attn(x, seen["rope_for"], seen["mask_for"], None, 0), expected)
 
 
 def test_alibi_keeps_left_padding_invariance_and_refuses_hf_export():
