@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from callbacks.babilong_eval import plot_accuracy_heatmap
-from callbacks.checkpoint import load_checkpoint
+from callbacks.checkpoint import load_checkpoint, model_weights
 from callbacks.comparison import EvaluatedModel, compare
 from callbacks.progress import track
 from callbacks.wandb_logger import build_wandb_logger
@@ -324,16 +324,6 @@ def write_results(out_dir: Path, ckpt: str | None, step: int, metrics: dict[str,
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------------
-def model_weights(checkpoint: dict, path: str | Path) -> dict[str, torch.Tensor]:
-    """The task model's weights: the `model.`-prefixed entries of the Lightning state_dict, prefix removed."""
-    state = {
-        k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")
-    }
-    if not state:
-        raise ConfigError(f"{path} has no `model.*` weights in its state_dict.")
-    return state
-
-
 def build_from_checkpoint(checkpoint: dict, path: str | Path) -> tuple[nn.Module, Tokenizer, DictConfig]:
     config = checkpoint_config(checkpoint, path)
     tokenizer = instantiate(config.tokenizer)

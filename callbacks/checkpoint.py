@@ -28,6 +28,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from models.config_errors import ConfigError
 from models.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,16 @@ def load_checkpoint(path: str | Path, map_location="cpu", mmap: bool = False) ->
         ) from None
     except Exception as e:  # torch raises many types for truncated/corrupt zip archives
         raise CorruptCheckpointError(corrupt_message(path, e)) from e
+
+
+def model_weights(checkpoint: dict, path: str | Path) -> dict[str, torch.Tensor]:
+    """The task model's weights: the `model.`-prefixed entries of the Lightning state_dict, prefix removed."""
+    state = {
+        k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")
+    }
+    if not state:
+        raise ConfigError(f"{path} has no `model.*` weights in its state_dict.")
+    return state
 
 
 def corrupt_message(path: Path, e: Exception) -> str:

@@ -16,8 +16,9 @@ from pathlib import Path
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
+from callbacks.checkpoint import model_weights
 from callbacks.watch import Watcher, results_dir
-from evaluate import checkpoint_task, evaluate_model, log_results, model_weights, write_results
+from evaluate import checkpoint_task, evaluate_model, log_results, write_results
 from models.config_errors import ConfigError
 
 

@@ -20,7 +20,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from callbacks.checkpoint import AtomicCheckpointIO
+from callbacks.checkpoint import AtomicCheckpointIO, load_checkpoint, model_weights
 from models.config_checks import MODEL_KEYS_FOR_OTHER_GROUPS, check_config
 from models.config_errors import ConfigError, MissingFileError
 from models.errors import UserError
@@ -99,6 +99,20 @@ def load_backbone_init(backbone: torch.nn.Module, path: str, backbone_cfg: DictC
         ) from None
 
 
+def load_init_from(model: torch.nn.Module, path: str) -> None:
+    """Start a new run from the task-model weights of a checkpoint (`init_from=<ckpt>`): step 0, this run's config
+    (curriculum, optimizer, steps); the model must be the same (type, shapes)."""
+    checkpoint = load_checkpoint(path)
+    try:
+        model.load_state_dict(model_weights(checkpoint, path))
+    except RuntimeError as e:
+        was = (checkpoint.get("config") or {}).get("model", {}).get("_target_", "?")
+        raise ConfigError(
+            f"init_from={path} holds another model ({was}) than this run's {type(model).__name__} or other shapes: "
+            f"give the same model= and backbone= options as that run.\n{e}"
+        ) from None
+
+
 def build_model(cfg: DictConfig, tokenizer, backbone_init: str | None = None) -> torch.nn.Module:
     """Backbone (from `backbone_init` weights when given: train.py's start) wrapped by the task model of
     `cfg.model` (CausalLM, RMT, RMT-R, Llama-XL)."""
@@ -165,7 +179,10 @@ def build_run(cfg: DictConfig) -> Run:
     tokenizer = instantiate(cfg.tokenizer)
     corpus = instantiate(cfg.corpus)
     datamodule = instantiate(cfg.task, _partial_=True)(tokenizer=tokenizer, corpus=corpus)
-    model = build_model(cfg, tokenizer, cfg.get("backbone_init"))
+    init_from = None if cfg.get("ckpt_path") else cfg.get("init_from")  # a resume restores its own weights
+    model = build_model(cfg, tokenizer, None if init_from else cfg.get("backbone_init"))
+    if init_from:
+        load_init_from(model, init_from)
     if cfg.get("compile"):
         model.backbone.compile()  # in place: module names, state dict and checkpoints stay as without it
     n_params = sum(p.numel() for p in model.parameters())

@@ -14,7 +14,8 @@ from hydra import compose, initialize
 from hydra.utils import instantiate
 
 from callbacks.checkpoint import CorruptCheckpointError
-from models.builders import register_resolvers, set_threads
+from models.builders import build_run, register_resolvers, set_threads
+from models.config_errors import ConfigError
 from tests.wandb_reader import read_offline_run
 from train import train
 
@@ -64,6 +65,23 @@ def test_tiny_lm_learns_and_writes_checkpoints(tmp_path):
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["config"]["backbone"]["hidden_size"] == 32 and ckpt["global_step"] == 40
+
+
+def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path):
+    first = tmp_path / "first"
+    train(compose_train(TINY + ["trainer.max_steps=5", "trainer.val_check_interval=5", f"run_dir={first}"]))
+    ckpt = first / "checkpoints" / "last.ckpt"
+    run = build_run(compose_train(TINY + [f"init_from={ckpt}", f"run_dir={tmp_path / 'second'}"]))
+    saved = torch.load(ckpt, weights_only=True)["state_dict"]
+    state = run.module.model.state_dict()
+    assert state.keys() == {k.removeprefix("model.") for k in saved}
+    assert all(
+        torch.equal(v, saved[f"model.{k}"]) for k, v in state.items()
+    )  # the trained weights, not a fresh init
+    with pytest.raises(ConfigError, match=r"init_from=.*give the same model= and backbone= options"):
+        build_run(
+            compose_train(TINY + [f"init_from={ckpt}", "backbone.ffn_size=48", f"run_dir={tmp_path / 'x'}"])
+        )
 
 
 def test_wandb_offline_run_holds_metrics_and_config(tmp_path, monkeypatch):
