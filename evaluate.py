@@ -435,12 +435,16 @@ class CheckpointEvaluator:
 
 
 def checkpoint_task(evaluators: Mapping, config: Mapping) -> Mapping:
-    """The evaluators with `babilong.tasks` (when not given) set to the BABILong task the checkpoint trained on
-    (`config`: its training config)."""
+    """The evaluators with `tasks` / `task` (BABILong evaluators, when not given) set to the BABILong task the
+    checkpoint trained on (`config`: its training config)."""
     task = (config.get("task") or {}).get("task")  # qa1 ... qa20; LM runs have none
-    if "babilong" not in evaluators or evaluators["babilong"].get("tasks") is not None or task is None:
+    if task is None:
         return evaluators
-    return {**evaluators, "babilong": {**evaluators["babilong"], "tasks": [task]}}
+    given = {"tasks": [task], "task": task}
+    return {
+        name: {**node, **{k: v for k, v in given.items() if k in node and node[k] is None}}
+        for name, node in evaluators.items()
+    }
 
 
 def export_hf(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path) -> Path:

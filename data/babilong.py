@@ -76,6 +76,7 @@ class TaskTokens:
         self.facts = [[ids[f] for f in s.facts] for s in samples]
         self.tail = [np.concatenate([ids[s.question], prompt]) for s in samples]  # question + answer prompt
         self.answer = [ids[s.answer] for s in samples]
+        self.supporting = [tuple(s.supporting) for s in samples]  # indices into facts
         self.facts_len = np.array([sum(len(f) for f in fs) for fs in self.facts], dtype=np.int64)
         self.extra_len = np.array(
             [2 + len(t) + len(a) for t, a in zip(self.tail, self.answer, strict=True)], dtype=np.int64

@@ -13,6 +13,8 @@ from omegaconf import DictConfig
 from test_faults import compose_train, tiny_overrides
 from torch import nn
 
+from callbacks.fact_distance import distance_bucket as fact_distance_bucket
+from callbacks.fact_distance import fact_distance
 from data.corpus import Corpus, Document
 from data.curriculum import BabilongDataModule
 from data.tokenizer import build_tokenizer
@@ -286,3 +288,57 @@ def test_bad_inputs_are_refused_with_a_clear_message(tmp_path):
         evaluate(compose_eval([f"ckpt_path={foreign}", "logger=csv"]))
     with pytest.raises(ValueError, match="Unknown export='onnx'; valid: hf"):
         evaluate(compose_eval(["export=onnx", f"ckpt_path={foreign}"]))
+
+
+class EvenRowReader(Oracle):
+    """A segment model (segments of 64) right on every other test sample with its memory carried, never with it
+    reset: the per-sample pairing of outcomes with distances is then known."""
+
+    segment_size = 64
+    segment_bounds = RMT.segment_bounds
+
+    def __init__(self, vocab_size: int):
+        super().__init__(vocab_size)
+        self.rows = 0
+
+    def forward(self, batch: dict, recurrent: bool = True) -> ModelOutput:
+        out = super().forward(batch)
+        rows = scored_positions(batch["labels"]).nonzero()[:, 0]  # row of each scored target
+        right = (self.rows + rows) % 2 == 0 if recurrent else torch.zeros_like(rows, dtype=torch.bool)
+        self.rows += len(batch["input_ids"]) if recurrent else 0
+        predicted = torch.where(right, out.targets, (out.targets + 1) % self.vocab_size)
+        return ModelOutput(nn.functional.one_hot(predicted, self.vocab_size).float(), out.targets)
+
+
+def test_fact_distance_buckets_each_sample_by_its_supporting_facts_segment(tmp_path, cache):
+    """eval=[fact_distance]: each sample's distance is the number of segments between the segment where its
+    earliest supporting fact ends (brute-force search) and the question's; accuracy per bucket, carried and reset."""
+    tokenizer = build_tokenizer()
+    model = EvenRowReader(tokenizer.vocab_size)
+    data = BabilongDataModule(tokenizer, tiny_corpus(), task="qa2", n_test=12, eval_seed=0)
+    dataset, pool = data.test_set(400), data.pool("test")
+    expected: dict[str, list[float]] = {}
+    for i in range(len(dataset)):
+        ids, k = dataset[i].input_ids, dataset.indices[i]
+        fact = pool.facts[k][min(pool.supporting[k])]
+        end = min(j + len(fact) for j in range(len(ids)) if np.array_equal(ids[j : j + len(fact)], fact))
+        d = (
+            len(ids) - end
+        ) // 64  # whole segments from the fact's last token to the end, split from the right
+        expected.setdefault(str(fact_distance_bucket(d)), []).append(float(i % 2 == 0))
+    metrics = fact_distance(
+        model, tokenizer, tiny_corpus(), tmp_path, task="qa2", lengths=(400,), n=12, batch_size=5
+    )
+    saved = json.loads((tmp_path / "fact_distance.json").read_text())["accuracy"]["400"]
+    assert {b: (c["carried"][0], c["carried"][1], c["reset"][0]) for b, c in saved.items()} == {
+        b: (np.mean(v), len(v), 0.0) for b, v in expected.items()
+    }
+    assert (
+        len(expected) > 1
+        and metrics[f"fact_distance/qa2/acc@400/d{next(iter(saved))}"]
+        == next(iter(saved.values()))["carried"][0]
+    )
+    assert (tmp_path / "fact_distance.png").stat().st_size > 0
+    assert [fact_distance_bucket(d) for d in (0, 1, 2, 3, 4, 7, 8, 100)] == [0, 1, 2, 2, 4, 4, 8, 64]
+    with pytest.raises(ConfigError, match="has no segments"):
+        fact_distance(Oracle(tokenizer.vocab_size), tokenizer, tiny_corpus(), tmp_path)
