@@ -113,15 +113,16 @@ def fact_distance(
     return metrics
 
 
-def plot_fact_distance(summary: dict, path: Path, task: str) -> None:
-    """Accuracy against distance (log2 axis), a colour per length: memory carried solid, reset dashed."""
+def plot_fact_distance(summary: dict, path: Path, task: str, min_samples: int = 10) -> None:
+    """Accuracy against distance (log2 axis), a colour per length: memory carried solid, reset dashed. Buckets of
+    fewer than `min_samples` samples stay out of the plot (not out of the JSON)."""
     fig = Figure(figsize=(7, 4), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for color, (size, row) in zip(
         colormaps["viridis"](np.linspace(0, 0.85, len(summary))), summary.items(), strict=True
     ):
-        x = [int(b) for b in row]
+        x = [int(b) for b, cell in row.items() if cell["carried"][1] >= min_samples]
         xs = [0.5 if b == 0 else b for b in x]  # d = 0 drawn left of 1 on the log axis
         ax.plot(
             xs, [row[str(b)]["carried"][0] for b in x], "o-", color=color, label=f"{size}: memory carried"
@@ -130,7 +131,8 @@ def plot_fact_distance(summary: dict, path: Path, task: str) -> None:
             xs, [row[str(b)]["reset"][0] for b in x], "x--", color=color, alpha=0.6, label=f"{size}: reset"
         )
     ax.set_xscale("log", base=2)
-    ticks = sorted({int(b) for row in summary.values() for b in row})
+    ticks = sorted({b for line in ax.get_lines() for b in line.get_xdata()})
+    ticks = [0 if b == 0.5 else int(b) for b in ticks]
     ax.set_xticks(
         [0.5 if b == 0 else b for b in ticks], [str(b) if b < 2 else f"{b}-{2 * b - 1}" for b in ticks]
     )
@@ -138,7 +140,7 @@ def plot_fact_distance(summary: dict, path: Path, task: str) -> None:
         xlabel="segments between the earliest supporting fact and the question",
         ylabel="exact match",
         ylim=(0, 1.02),
-        title=f"BABILong {task}: accuracy by how far back the facts are",
+        title=f"BABILong {task}: accuracy by how far back the facts are\n(buckets of at least {min_samples} samples)",
     )
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
