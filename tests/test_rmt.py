@@ -298,9 +298,9 @@ def test_attention_probs_reproduce_the_layer_output(alibi):
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     bb(ids, attention_mask=mask)
-    (x, positions, mask_for, *_), out = seen[0]
+    (x, rope_for, mask_for, *_), out = seen[0]
     attn = bb.layers[1].self_attn
-    probs = attention_probs(attn, x, positions, mask_for)  # (B, H, T, T)
+    probs = attention_probs(attn, x, rope_for, mask_for)  # (B, H, T, T)
     v = attn.v_proj(x).view(2, 7, 2, -1).transpose(1, 2).repeat_interleave(2, dim=1)
     torch.testing.assert_close(attn.o_proj((probs @ v).transpose(1, 2).reshape(2, 7, -1)), out)
     torch.testing.assert_close(probs.sum(-1), torch.ones(2, 4, 7))
