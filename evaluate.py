@@ -114,7 +114,7 @@ def babilong(
     before the question's segment are out of reach; writes babilong_reset.json, heatmap_reset.png and returns
     `babilong_reset/...`. early_facts=True keeps only samples whose facts all lie before the memory model's last
     segment (the question's), so that the answer must come through memory (`babilong[_reset]_early_facts/...`)."""
-    from data.babilong import length_name
+    from data.babilong import batch_to, length_name
     from data.curriculum import BabilongDataModule
 
     if memory not in ("carried", "reset"):
@@ -153,7 +153,7 @@ def babilong(
         for length, loader in zip(lengths, loaders or data.test_dataloader(), strict=True):
             hits, total = 0.0, 0
             for batch in track(loader, f"babilong {task} @ {length_name(length)}"):
-                batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                batch = batch_to(batch, device)
                 out = model(batch, recurrent=False) if reset else model(batch)
                 hits += exact_match(out.logits, out.targets, batch).sum().item()
                 total += len(batch["input_ids"])
@@ -192,14 +192,13 @@ EARLY_FACTS_TRIES = 100  # early_facts: candidates per kept sample at most
 def early_facts_loader(data, model: nn.Module, length: int, n: int) -> torch.utils.data.DataLoader:
     """The first `n` test samples of `data` (a BabilongDataModule) with `length` context tokens whose facts all lie
     before the model's last segment, batched as `data.test_dataloader()` batches them."""
-    from callbacks.memory_maps import fact_segments
+    from callbacks.memory_maps import fact_segments_of
     from data.babilong import length_name
 
     dataset, kept = data.test_set(length), []
     for i in range(len(dataset)):
-        ids = dataset[i].input_ids
-        bounds = model.segment_bounds(len(ids))
-        if max(fact_segments(ids, dataset.tasks.facts[dataset.indices[i]], bounds)) < len(bounds):
+        ends, n_segments = fact_segments_of(dataset, i, model)
+        if max(ends) < n_segments:
             kept.append(i)
             if len(kept) == n:
                 break

@@ -19,7 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import nn
 
-from callbacks.memory_maps import fact_segments
+from callbacks.memory_maps import fact_segments_of
 from callbacks.progress import track
 from models.config_errors import ConfigError
 from models.lit_module import exact_match
@@ -34,10 +34,8 @@ def supporting_distances(dataset, model: nn.Module) -> list[int]:
     """Distance d (above) of every sample of a generated BABILong test set (a `HaystackSet`)."""
     out = []
     for i in range(len(dataset)):
-        ids, k = dataset[i].input_ids, int(dataset.indices[i])
-        bounds = model.segment_bounds(len(ids))
-        ends = fact_segments(ids, dataset.tasks.facts[k], bounds)  # 1-based segment of each fact
-        out.append(len(bounds) - ends[min(dataset.tasks.supporting[k])])
+        ends, n_segments = fact_segments_of(dataset, i, model)  # 1-based segment of each fact
+        out.append(n_segments - ends[min(dataset.tasks.supporting[dataset.indices[i]])])
     return out
 
 
@@ -57,7 +55,7 @@ def fact_distance(
     """Exact match of `n` test samples (the BABILong evaluator's, same seed) per length, by distance bucket, with
     the memory carried and reset. Writes fact_distance.json and fact_distance.png; returns
     `fact_distance/<task>/acc@<length>/d<bucket>` (memory carried) and `.../reset/d<bucket>`."""
-    from data.babilong import length_name
+    from data.babilong import batch_to, length_name
     from data.curriculum import BabilongDataModule
 
     if not hasattr(model, "segment_bounds"):
@@ -85,7 +83,7 @@ def fact_distance(
         for batch in track(
             data.eval_loader(dataset, length=length), f"fact distance {task} @ {length_name(length)}"
         ):
-            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            batch = batch_to(batch, device)
             hits = {}
             for memory in ("carried", "reset"):
                 out = model(batch, recurrent=memory == "carried")

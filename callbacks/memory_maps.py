@@ -111,6 +111,14 @@ def fact_segments(input_ids: np.ndarray, facts: list[np.ndarray], bounds: list[t
     return found
 
 
+def fact_segments_of(dataset, i: int, model: RMT) -> tuple[list[int], int]:
+    """`fact_segments` of sample i of a generated BABILong test set (a `HaystackSet`) under the model's
+    segmentation, and the sample's number of segments (the question's is the last)."""
+    ids = dataset[i].input_ids
+    bounds = model.segment_bounds(len(ids))
+    return fact_segments(ids, dataset.tasks.facts[dataset.indices[i]], bounds), len(bounds)
+
+
 def attention_probs(attn: Attention, x: Tensor, rope_for, mask_for) -> Tensor:
     """Probabilities (B, H, T, T) of one of our Llama's attention layers, from its inputs (as the layer gets them:
     normed hidden states x (B, T, D), its rotary and mask builders), without a KV cache."""

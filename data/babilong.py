@@ -216,6 +216,11 @@ def collate(samples: list[EncodedSample], pad_id: int, context_loss: bool = Fals
     return batch | meta
 
 
+def batch_to(batch: dict, device: torch.device) -> dict:
+    """A collated batch with its tensors on `device` (other entries, e.g. the task name, as they are)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 class HaystackSet(Dataset):
     """A fixed evaluation set: the first `n` samples of `tasks` that fit the size; sample i depends on (seed, i)."""
 
