@@ -82,7 +82,7 @@ class ARMT(RMT):
         self.n_features = 2 * nu * d_mem
         self.layer_memories = nn.ModuleList(
             LayerMemory(backbone.hidden_size, d_mem, nu) for _ in backbone.layers
-        )
+        ).to(self.memory.device)
 
     def empty_associative(self, batch_size: int) -> AssociativeMemory:
         return AssociativeMemory.empty(

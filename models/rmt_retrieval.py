@@ -66,7 +66,7 @@ class RMTRetrieval(RMT):
         if num_memory < 1:
             raise ConfigError(f"RMT-R retrieves memory states, so num_memory must be >= 1, got {num_memory}")
         super().__init__(backbone, num_memory, segment_size, k2, checkpoint_segments)
-        self.retrieval = MemoryRetrieval(backbone.hidden_size, retrieval_mlp_ratio)
+        self.retrieval = MemoryRetrieval(backbone.hidden_size, retrieval_mlp_ratio).to(self.memory.device)
 
     def _entry(self, memory: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Bank entry of a state (B, m, D) for the rows where valid (B,)."""

@@ -256,6 +256,14 @@ def test_builder_and_bad_arguments():
         RMTRetrieval(tiny_backbone(), num_memory=0, segment_size=8)
 
 
+@pytest.mark.parametrize("cls", [RMT, RMTRetrieval, active_armt])
+def test_every_wrapper_parameter_is_made_on_the_backbones_device(cls):
+    """A wrapper built around a backbone already on a device makes its own modules there (retrieval, associative
+    memories): found on CUDA (tests/test_gpu.py), checked here on the meta device, which any CPU has."""
+    model = cls(tiny_backbone().to("meta"), num_memory=2, segment_size=4)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
 def tiny_gpt2() -> HFBackbone:
     cfg = GPT2Config(
         vocab_size=V,
