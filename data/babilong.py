@@ -108,6 +108,22 @@ class TaskTokens:
         i = rng.choice(len(self.bands), p=weights / weights.sum())
         return self.bands[i][rng.integers(len(self.bands[i]), size=rows[i])]
 
+    def facts_only_batches(self, max_rows: int, max_tokens: int | None = None) -> list[np.ndarray]:
+        """Every sample once, in length order, as batches of at most `max_rows` rows and, with a token budget, at
+        most `max_tokens` tokens once padded to the batch's longest row (at least one row): evaluating 128 qa3
+        stories of 2k tokens in one batch took over 20 GB for the attention of a 64-wide model."""
+        lengths = self.facts_len + self.extra_len
+        order = np.argsort(lengths, kind="stable")
+        batches, start = [], 0
+        for end in range(1, len(order) + 1):
+            rows = end - start
+            if rows > max_rows or (
+                max_tokens is not None and rows > 1 and rows * lengths[order[end - 1]] > max_tokens
+            ):
+                batches.append(order[start : end - 1])
+                start = end - 1
+        return [*batches, order[start:]]
+
     def fitting(self, length: int | None = None, total: int | None = None) -> np.ndarray:
         """Indices of the samples whose facts fit a context of `length` (0 = facts only) or `total` tokens."""
         if total is not None:

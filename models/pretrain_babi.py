@@ -150,8 +150,8 @@ def pretrain(
         raise ConfigError(f"Validation tokens {sorted(missing)} never occur in the pool: raise n_pool.")
     model = compact_backbone(backbone, vocab)
     val_batches = [
-        vocab.compact(collate([facts_only(val, i) for i in range(a, min(a + 128, n_val))], tokenizer.pad_id))
-        for a in range(0, n_val, 128)
+        vocab.compact(collate([facts_only(val, int(i)) for i in rows], tokenizer.pad_id))
+        for rows in val.facts_only_batches(128, batch_tokens and 4 * batch_tokens)
     ]
 
     @torch.no_grad()

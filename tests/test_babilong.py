@@ -219,6 +219,23 @@ def test_a_token_budget_gives_long_bands_fewer_rows_and_keeps_samples_equally_li
     assert np.array_equal(qa1.draw_facts_only(a, 16, max_tokens=4096), b.integers(len(qa1), size=16))
 
 
+@pytest.mark.parametrize("budget", [None, 4096])
+def test_evaluation_batches_hold_every_sample_once_within_rows_and_token_budget(tok, budget):
+    """qa3 stories run to 2k tokens: padded batches stay within the budget (one long story alone may pass it), every
+    batch is as full as the limits allow (the next story would break one), and each sample comes once."""
+    pool = TaskTokens(generate_task("qa3", n=500, seed=0), tok)
+    length = pool.facts_len + pool.extra_len
+    batches = pool.facts_only_batches(64, budget)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(len(pool)))
+
+    def fits(rows):
+        return len(rows) <= 64 and (budget is None or len(rows) == 1 or len(rows) * length[rows].max() <= budget)
+
+    assert all(fits(b) for b in batches)
+    assert not any(fits(np.append(b, nxt[0])) for b, nxt in zip(batches, batches[1:]))
+    assert (len(batches) > len(pool) // 64 + 1) == (budget is not None)
+
+
 def test_collate_left_pads_and_scores_answer_then_eos(stores, qa1, tok):
     hay = Haystack(stores["train"], "train")
     rng = np.random.default_rng(0)
