@@ -149,9 +149,11 @@ def pretrain(
     if missing:
         raise ConfigError(f"Validation tokens {sorted(missing)} never occur in the pool: raise n_pool.")
     model = compact_backbone(backbone, vocab)
+    # validation needs no gradients: 4x a training batch's tokens
+    val_budget = None if batch_tokens is None else 4 * batch_tokens
     val_batches = [
         vocab.compact(collate([facts_only(val, int(i)) for i in rows], tokenizer.pad_id))
-        for rows in val.facts_only_batches(128, batch_tokens and 4 * batch_tokens)
+        for rows in val.facts_only_batches(128, val_budget)
     ]
 
     @torch.no_grad()
