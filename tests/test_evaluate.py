@@ -322,9 +322,8 @@ def test_fact_distance_buckets_each_sample_by_its_supporting_facts_segment(tmp_p
         ids, k = dataset[i].input_ids, dataset.indices[i]
         fact = pool.facts[k][min(pool.supporting[k])]
         end = min(j + len(fact) for j in range(len(ids)) if np.array_equal(ids[j : j + len(fact)], fact))
-        d = (
-            len(ids) - end
-        ) // 64  # whole segments from the fact's last token to the end, split from the right
+        # whole segments from the fact's last token to the end, split from the right
+        d = (len(ids) - end) // 64
         expected.setdefault(str(fact_distance_bucket(d)), []).append(float(i % 2 == 0))
     metrics = fact_distance(
         model, tokenizer, tiny_corpus(), tmp_path, task="qa2", lengths=(400,), n=12, batch_size=5
