@@ -331,6 +331,19 @@ def build_from_checkpoint(checkpoint: dict, path: str | Path) -> tuple[nn.Module
     return model, tokenizer, config
 
 
+def with_window(config: DictConfig, window: int | None, path: str | Path) -> DictConfig:
+    """The checkpoint's training config with its plain LM streamed through `window` tokens (stride window/2)."""
+    if window is None:
+        return config
+    if "window" not in config.model:
+        raise ConfigError(
+            f"window={window} sets a plain LM's streaming window, but {path} holds a model without one "
+            f"({config.model._target_}); drop window=."
+        )
+    config.model.window, config.model.stride = int(window), None
+    return config
+
+
 def run_dir_of(ckpt: str | Path) -> Path:
     """RUN_DIR of RUN_DIR/checkpoints/x.ckpt (else the checkpoint's own folder)."""
     folder = Path(ckpt).resolve().parent
@@ -406,7 +419,7 @@ class CheckpointEvaluator:
         self._built_for: str | None = None
 
     def __call__(self, path: Path, checkpoint: dict) -> dict[str, float]:
-        config = checkpoint_config(checkpoint, path)
+        config = with_window(checkpoint_config(checkpoint, path), self.cfg.get("window"), path)
         key = OmegaConf.to_yaml({k: config.get(k) for k in ("tokenizer", "backbone", "model", "corpus")})
         if key != self._built_for:
             tokenizer = instantiate(config.tokenizer)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from test_faults import compose_train, tiny_overrides
 from torch import nn
 
@@ -140,6 +140,35 @@ class Oracle(nn.Module):
         predicted = (targets + 1) % self.vocab_size if batch["task"] in self.wrong else targets
         self.seen.append((batch["task"], int(batch["attention_mask"].sum(1).min())))
         return ModelOutput(nn.functional.one_hot(predicted, self.vocab_size).float(), targets)
+
+
+def test_window_streams_a_checkpointed_lm_through_a_longer_window(trained, tmp_path):
+    """window= evaluates a checkpoint with more context than its training length (32 tokens here); the models
+    the papers measure past their training length see it all. Was: model.window= was silently ignored."""
+    run_dir, run = trained
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    args = {"max_len": 96, "max_docs": 2}
+    overrides = [f"ckpt_path={ckpt}", "logger=csv", *[f"eval.ppl.{k}={v}" for k, v in args.items()]]
+    metrics = evaluate(compose_eval([*overrides, "window=96"]))
+
+    full = CausalLM(run.module.model.backbone, window=96).eval()
+    reference = ppl(full, run.tokenizer, run.datamodule.corpus, tmp_path / "ref", **args)
+    assert metrics == pytest.approx({f"eval/{k}": v for k, v in reference.items()}, rel=1e-6)
+    windowed = ppl(run.module.model.eval(), run.tokenizer, run.datamodule.corpus, tmp_path / "w32", **args)
+    assert (
+        abs(windowed["ppl"] - reference["ppl"]) > 1e-3
+    )  # the training window would have given another number
+
+
+def test_window_is_refused_for_a_model_without_one(tmp_path):
+    from evaluate import with_window
+
+    config = OmegaConf.create({"model": {"_target_": "models.rmt.build_rmt", "num_memory": 2}})
+    with pytest.raises(
+        ConfigError, match=r"window=512 sets a plain LM's .* \(models.rmt.build_rmt\); drop window="
+    ):
+        with_window(config, 512, "x.ckpt")
+    assert with_window(config, None, "x.ckpt") is config
 
 
 def test_babilong_grid_scores_each_task_and_length(tmp_path, cache):
