@@ -332,7 +332,8 @@ def build_from_checkpoint(checkpoint: dict, path: str | Path) -> tuple[nn.Module
 
 
 def with_window(config: DictConfig, window: int | None, path: str | Path) -> DictConfig:
-    """The checkpoint's training config with its plain LM streamed through `window` tokens (stride window/2)."""
+    """`config` (a checkpoint's training config, or evaluate.py's own) with its plain LM streamed through `window`
+    tokens (stride window/2); None leaves it as it is."""
     if window is None:
         return config
     if "window" not in config.model:
@@ -541,7 +542,7 @@ def evaluate(cfg: DictConfig) -> dict:
     check_pretrained(cfg)
     device = select_device(cfg.device)
     tokenizer = instantiate(cfg.tokenizer)
-    model = build_model(cfg, tokenizer).to(device)
+    model = build_model(with_window(cfg, cfg.get("window"), "the pretrained model"), tokenizer).to(device)
     set_threads(cfg.get("threads"), model, device.type == "cuda")
     corpus = instantiate(cfg.get("corpus") or DEFAULT_CORPUS)
     out_dir = Path(cfg.out_dir)

@@ -155,12 +155,11 @@ def test_window_streams_a_checkpointed_lm_through_a_longer_window(trained, tmp_p
     reference = ppl(full, run.tokenizer, run.datamodule.corpus, tmp_path / "ref", **args)
     assert metrics == pytest.approx({f"eval/{k}": v for k, v in reference.items()}, rel=1e-6)
     windowed = ppl(run.module.model.eval(), run.tokenizer, run.datamodule.corpus, tmp_path / "w32", **args)
-    assert (
-        abs(windowed["ppl"] - reference["ppl"]) > 1e-3
-    )  # the training window would have given another number
+    # the training window would have given another number
+    assert abs(windowed["ppl"] - reference["ppl"]) > 1e-3
 
 
-def test_window_is_refused_for_a_model_without_one(tmp_path):
+def test_window_sets_a_plain_lms_window_and_is_refused_for_a_model_without_one():
     from evaluate import with_window
 
     config = OmegaConf.create({"model": {"_target_": "models.rmt.build_rmt", "num_memory": 2}})
@@ -169,6 +168,8 @@ def test_window_is_refused_for_a_model_without_one(tmp_path):
     ):
         with_window(config, 512, "x.ckpt")
     assert with_window(config, None, "x.ckpt") is config
+    pretrained = with_window(compose_eval(["backbone=smollm2_135m", "window=64"]), 64, "the pretrained model")
+    assert (pretrained.model.window, pretrained.model.stride) == (64, None)  # evaluate.py's own model too
 
 
 def test_babilong_grid_scores_each_task_and_length(tmp_path, cache):
