@@ -1,7 +1,8 @@
 """Llama-XL (Liu et al. 2024, "Forgetting Curve", App. D.2): a Transformer-XL-style Llama.
 
 Each layer attends over [cached keys/values of the previous segment; this segment] (`models.kv_cache`). Keys are
-L2-normalised over the head dimension (`LlamaConfig.key_norm`) and cached un-rotated; RoPE positions run
+L2-normalised over the head dimension (`LlamaConfig.key_norm`; off for a pretrained Llama run as it was trained)
+and cached un-rotated; RoPE positions run
 0..len(k_hat)-1 for the keys and the last len(q) of those for the queries, with a bottom-right causal mask, so no
 position beyond cache + segment is ever used. The weights are exactly our Llama's (a baseline or Hugging Face
 Llama checkpoint loads unchanged); only the key normalisation and the cache differ.
@@ -27,7 +28,8 @@ from models.outputs import ModelOutput, head_logprobs, scored_positions
 
 
 class LlamaXL(nn.Module):
-    """Segment-recurrent task model over a `Llama` backbone built with `key_norm=True`.
+    """Segment-recurrent task model over a `Llama` backbone, built with `key_norm=True` as in the paper; a
+    pretrained Llama (e.g. SmolLM2) can run with its keys as trained (`key_norm=False`, `attn_scale=None`).
 
     cache_tokens: keep the last N tokens as context, or cache_segments: the last m segments (the paper: m = 1).
     detach_cache: stop gradients at the cache (Transformer-XL); False lets a segment's loss reach the earlier
@@ -46,11 +48,6 @@ class LlamaXL(nn.Module):
         if not isinstance(backbone, Llama):
             raise ConfigError(
                 f"Llama-XL needs our Llama backbone (it has the per-layer KV-cache hook), got {type(backbone).__name__}"
-            )
-        if not backbone.cfg.key_norm:
-            raise ConfigError(
-                "Llama-XL normalises keys: build the backbone with key_norm=True (model config `backbone: "
-                "{key_norm: true}`); the weights of a key_norm=False checkpoint load unchanged."
             )
         if segment_size < 1:
             raise ConfigError(f"segment_size must be >= 1, got {segment_size}")

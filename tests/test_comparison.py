@@ -218,6 +218,34 @@ def test_longppl_and_the_forgetting_curve_separate_context_windows_where_ppl_bar
 
 
 @pytest.mark.slow
+def test_smollm2_as_llama_xl_copies_within_segment_and_cache_and_forgets_past_them(tmp_path, monkeypatch):
+    """The README's Llama-XL finding with a model that copies, shortened: SmolLM2-135M run as Llama-XL (its keys as
+    trained) with segments of 64 and the previous one cached copies a 48-token prefix and copies no better than it
+    predicts text at 3x segment + cache and beyond. 12 minutes on one core beside another job (with the conversion of
+    SmolLM2 into the fresh cache)."""
+    monkeypatch.setenv("MEMLM_CACHE", str(tmp_path / "cache"))
+    overrides = [
+        "backbone=smollm2_135m",
+        "model=llama_xl",
+        "model.segment_size=64",
+        "model.backbone.key_norm=false",
+        "model.backbone.attn_scale=null",
+        "eval=[forgetting_curve]",
+        "eval.forgetting_curve.max_len=480",
+        "eval.forgetting_curve.n_lengths=10",
+        "eval.forgetting_curve.n_samples=4",
+        f"out_dir={tmp_path}",
+        "logger=csv",
+    ]
+    evaluate(compose_eval(overrides))
+    curve = json.loads((tmp_path / "forgetting_curve" / "forgetting_curve.json").read_text())
+    copy = dict(zip(curve["lengths"], curve["copy_acc"], strict=True))
+    gain = dict(zip(curve["lengths"], np.subtract(curve["copy_acc"], curve["lm_acc"]), strict=True))
+    assert copy[48] > 0.9, copy
+    assert all(abs(g) < 0.05 for length, g in gain.items() if length >= 384), gain
+
+
+@pytest.mark.slow
 def test_a_tiny_llama_trained_on_the_bible_at_256_has_coarse_memory_and_amnesia_past_it(tmp_path):
     """Finding 2 of the README, shortened to 3,000 steps (12.3M tokens): a coarse-grained memory of at least a quarter
     of the training length and amnesia at 2x and 4x it (no fine-grained memory yet). About 20 minutes on one core."""

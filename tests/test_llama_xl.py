@@ -33,11 +33,11 @@ def tiny_cfg(**kw) -> LlamaConfig:
     return LlamaConfig(**{**base, **kw})
 
 
-def xl_model(segment_size: int = 8, **kw) -> LlamaXL:
+def xl_model(segment_size: int = 8, backbone: dict | None = None, **kw) -> LlamaXL:
     torch.manual_seed(0)
     if "cache_tokens" not in kw:
         kw.setdefault("cache_segments", 1)
-    return LlamaXL(Llama(tiny_cfg()), segment_size, **kw)
+    return LlamaXL(Llama(tiny_cfg(**(backbone or {}))), segment_size, **kw)
 
 
 def batch_logits(model: LlamaXL, input_ids: torch.Tensor, **extra) -> torch.Tensor:
@@ -69,12 +69,15 @@ def test_empty_cache_equals_llama_with_normalised_keys():
 
 @pytest.mark.parametrize("cache", [{"cache_segments": 1}, {"cache_segments": 2}, {"cache_tokens": 5}])
 @pytest.mark.parametrize("how", ["forward", "iter_logits"])
-def test_segments_equal_full_forward_with_xl_mask(cache, how):
+@pytest.mark.parametrize("keys", ["normalised", "as trained"])
+def test_segments_equal_full_forward_with_xl_mask(cache, how, keys):
     """Segment by segment with the cache = one forward over the whole text with the XL mask and absolute
     positions: the hidden states of the cached segment at every layer are the ones it got with its own cache, and
-    RoPE only sees position differences, which the cache's positions 0..Tk-1 reproduce."""
+    RoPE only sees position differences, which the cache's positions 0..Tk-1 reproduce. The same holds for a
+    pretrained Llama run with its keys as trained (key_norm=False, the usual 1/sqrt(head_dim) scale)."""
     S, T = 8, 35  # 4 full segments and a short one
-    model = xl_model(S, **cache).eval()
+    backbone = {} if keys == "normalised" else {"key_norm": False, "attn_scale": None}
+    model = xl_model(S, backbone, **cache).eval()
     ids = torch.randint(0, V, (2, T))
     with torch.no_grad():
         got = batch_logits(model, ids) if how == "forward" else torch.cat(list(model.iter_logits(ids)), dim=1)
@@ -253,8 +256,6 @@ def test_hf_llama_weights_load_unchanged(tmp_path):
 
 
 def test_construction_errors_name_the_fix():
-    with pytest.raises(ValueError, match="key_norm=True"):
-        LlamaXL(Llama(tiny_cfg(key_norm=False)), 8, cache_segments=1)
     with pytest.raises(ValueError, match="max_positions"):
         LlamaXL(Llama(tiny_cfg()), 100, cache_segments=1)
     with pytest.raises(ValueError, match="exactly one"):
