@@ -2,9 +2,8 @@
 
 Each layer attends over [cached keys/values of the previous segment; this segment] (`models.kv_cache`). Keys are
 L2-normalised over the head dimension (`LlamaConfig.key_norm`; off for a pretrained Llama run as it was trained)
-and cached un-rotated; RoPE positions run
-0..len(k_hat)-1 for the keys and the last len(q) of those for the queries, with a bottom-right causal mask, so no
-position beyond cache + segment is ever used. The weights are exactly our Llama's (a baseline or Hugging Face
+and cached un-rotated; RoPE positions run 0..len(k_hat)-1 for the keys and the last len(q) of those for the
+queries, with a bottom-right causal mask, so no position beyond cache + segment is ever used. The weights are exactly our Llama's (a baseline or Hugging Face
 Llama checkpoint loads unchanged); only the key normalisation and the cache differ.
 
 Training (`forward`) cuts the batch's T tokens into segments of `segment_size` (the last one may be shorter) and

@@ -18,7 +18,7 @@ from callbacks.fact_distance import fact_distance
 from data.corpus import Corpus, Document
 from data.curriculum import BabilongDataModule
 from data.tokenizer import build_tokenizer
-from evaluate import babilong, early_facts_loader, evaluate, memory_maps, ppl, wandb_run_id
+from evaluate import babilong, early_facts_loader, evaluate, memory_maps, ppl, wandb_run_id, with_window
 from models.backbone import build_llama
 from models.builders import build_run
 from models.config_errors import ConfigError
@@ -160,8 +160,6 @@ def test_window_streams_a_checkpointed_lm_through_a_longer_window(trained, tmp_p
 
 
 def test_window_sets_a_plain_lms_window_and_is_refused_for_a_model_without_one():
-    from evaluate import with_window
-
     config = OmegaConf.create({"model": {"_target_": "models.rmt.build_rmt", "num_memory": 2}})
     with pytest.raises(
         ConfigError, match=r"window=512 sets a plain LM's .* \(models.rmt.build_rmt\); drop window="
