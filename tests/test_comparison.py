@@ -176,6 +176,7 @@ def test_evaluate_compare_evaluates_each_checkpoint_then_compares(trained, tmp_p
     again = json.loads((tmp_path / "again" / "comparison.json").read_text())["models"]
     assert [m["model"] for m in again] == [m["model"] for m in saved["models"]]  # one row each
     assert [m["ppl"] for m in again] == [m["ppl"] for m in saved["models"]]
+    assert [m["step"] for m in again] == [m["step"] for m in saved["models"]]  # each checkpoint's step, not 0
     with pytest.raises(ConfigError, match="drop ckpt_path"):
         evaluate(compose_eval([f"compare=[{ckpts[0]}]", f"ckpt_path={ckpts[0]}"]))
 
