@@ -582,9 +582,7 @@ def compare_checkpoints(cfg: DictConfig) -> dict[str, float]:
     try:
         for path, run, label in zip(paths, runs, labels, strict=True):
             if path.is_dir():  # results of an earlier run: an out_dir, or a checkpoint's <ckpt>.eval
-                saved = path / "metrics.json"  # its step, where evaluate.py wrote one
-                step = (json.loads(saved.read_text()).get("global_step") or 0) if saved.exists() else 0
-                models.append(EvaluatedModel.load(path, label, step))
+                models.append(EvaluatedModel.load(path, label))
                 continue
             checkpoint = load_checkpoint(path)
             if run not in evaluators:

@@ -44,8 +44,12 @@ class EvaluatedModel:
     )  # variant -> {task: {size: acc}}
 
     @classmethod
-    def load(cls, results: str | Path, label: str, step: int) -> EvaluatedModel:
+    def load(cls, results: str | Path, label: str, step: int | None = None) -> EvaluatedModel:
+        """The evaluators' files under `results`; step None: the one evaluate.py wrote in its metrics.json (else 0)."""
         results = Path(results)
+        if step is None:
+            saved = results / "metrics.json"
+            step = (json.loads(saved.read_text()).get("global_step") or 0) if saved.exists() else 0
         model = cls(label, step)
         if (f := results / "ppl" / "ppl.json").exists():
             model.ppl = json.loads(f.read_text())["ppl"]

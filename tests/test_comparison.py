@@ -31,6 +31,12 @@ def model(label, copy, lm, ppl, longppl):
     return EvaluatedModel(label, 100, ppl, longppl, 12, 4000, fc, by_pos)
 
 
+def forgetting_curve_gains(results):
+    """The forgetting curve saved under a results folder, and its copy minus LM accuracy by length."""
+    curve = json.loads((Path(results) / "forgetting_curve" / "forgetting_curve.json").read_text())
+    return curve, dict(zip(curve["lengths"], np.subtract(curve["copy_acc"], curve["lm_acc"]), strict=True))
+
+
 def family():
     return [
         model("short", [0.3, 0.2, 0.2], [0.2, 0.2, 0.2], 50.0, 90.0),
@@ -239,9 +245,8 @@ def test_smollm2_as_llama_xl_copies_within_segment_and_cache_and_forgets_past_th
         "logger=csv",
     ]
     evaluate(compose_eval(overrides))
-    curve = json.loads((tmp_path / "forgetting_curve" / "forgetting_curve.json").read_text())
+    curve, gain = forgetting_curve_gains(tmp_path)
     copy = dict(zip(curve["lengths"], curve["copy_acc"], strict=True))
-    gain = dict(zip(curve["lengths"], np.subtract(curve["copy_acc"], curve["lm_acc"]), strict=True))
     assert copy[48] > 0.9, copy
     assert all(abs(g) < 0.05 for length, g in gain.items() if length >= 384), gain
 
@@ -294,10 +299,7 @@ def test_smollm2_fine_tuned_as_rmt_copies_within_a_segment_and_nothing_past_it(t
     fc = [f"eval.forgetting_curve.{k}={v}" for k, v in settings]
     ckpt = run / "checkpoints" / "last.ckpt"
     evaluate(compose_eval([f"ckpt_path={ckpt}", "eval=[forgetting_curve]", *fc, "threads=1", "logger=csv"]))
-    curve = json.loads(
-        (run / "checkpoints" / "last.ckpt.eval" / "forgetting_curve" / "forgetting_curve.json").read_text()
-    )
-    gain = dict(zip(curve["lengths"], np.subtract(curve["copy_acc"], curve["lm_acc"]), strict=True))
+    _, gain = forgetting_curve_gains(run / "checkpoints" / "last.ckpt.eval")
     assert gain[32] > 0.3, gain  # measured: 0.67 copy against 0.20 LM
     assert all(abs(g) < 0.05 for length, g in gain.items() if length >= 64), gain
 
@@ -322,11 +324,6 @@ def test_a_tiny_llama_trained_on_the_bible_at_256_has_coarse_memory_and_amnesia_
         f"eval.forgetting_curve.{k}={v}" for k, v in (("max_len", 1024), ("n_lengths", 16), ("n_samples", 40))
     ]
     evaluate(compose_eval([f"ckpt_path={ckpt}", "eval=[forgetting_curve]", *fc, "logger=csv"]))
-    curve = json.loads(
-        (
-            tmp_path / "run" / "checkpoints" / "last.ckpt.eval" / "forgetting_curve" / "forgetting_curve.json"
-        ).read_text()
-    )
-    gain = dict(zip(curve["lengths"], np.subtract(curve["copy_acc"], curve["lm_acc"]), strict=True))
+    curve, gain = forgetting_curve_gains(tmp_path / "run" / "checkpoints" / "last.ckpt.eval")
     assert curve["fine_length"] == 0 and curve["coarse_length"] >= 64, curve
     assert all(abs(g) < 0.01 for length, g in gain.items() if length >= 512), gain
