@@ -104,6 +104,10 @@ class LongCE(nn.Module):
     which the models leave uncomputed as NaN) keeps its weight min(exp(0), gamma) = 1. K, d: short context length
     and block size handed to `model.short_context_logprobs` (CausalLM uses them, None: its defaults; recurrent
     models use their segment instead).
+
+    After each call, `logged` holds what the run logs beside train/loss (the LongCE value, not comparable with a
+    CE run's): `ce`, the plain cross-entropy of the same tokens, and how the weights fell: their mean, and the
+    shares of tokens up-weighted (long context helped: w > 1) and down-weighted (it hurt: w < 1).
     """
 
     def __init__(self, gamma: float = 5.0, K: int | None = None, d: int | None = None):
@@ -113,6 +117,7 @@ class LongCE(nn.Module):
                 f"LongCE gamma caps the up-weighting of long-context tokens and must be >= 1 (1: plain CE), got {gamma}"
             )
         self.gamma, self.K, self.d = gamma, K, d
+        self.logged: dict[str, torch.Tensor] = {}
 
     def forward(self, out: ModelOutput, model: nn.Module, batch: dict) -> torch.Tensor:
         logprobs = -F.cross_entropy(out.logits.float(), out.targets, reduction="none")  # (N,)
@@ -123,4 +128,10 @@ class LongCE(nn.Module):
                 f"log-prob per scored position, aligned with out.targets {tuple(logprobs.shape)}"
             )
         weights = longce_weights(logprobs, short, ~short.isnan(), self.gamma)
+        self.logged = {
+            "ce": -logprobs.detach().mean(),
+            "longce_weight": weights.mean(),
+            "longce_up": (weights > 1).float().mean(),
+            "longce_down": (weights < 1).float().mean(),
+        }
         return longce_loss(logprobs, weights, torch.ones_like(weights, dtype=torch.bool))

@@ -1,8 +1,10 @@
 """The one LightningModule: drives any task model with an injected loss, AdamW and the WSD schedule.
 
 Task models (CausalLM, RMT, RMT-R, Llama-XL) differ by the module passed in, never by subclassing this.
-Metrics: `train/loss`, `train/lr`, `train/tokens_per_s`; validation `val/loss`, `val/ppl` for language modelling and
-`val/<name>/acc` (exact match of the answer) for question-answering batches (those carrying `answer_mask`).
+Metrics: `train/loss`, `train/lr`, `train/tokens_per_s`, plus `train/<name>` for what the loss reports in its
+`logged` dict (LongCE: the plain `train/ce` and its weights); validation `val/loss`, `val/ppl` for language
+modelling and `val/<name>/acc` (exact match of the answer) for question-answering batches (those carrying
+`answer_mask`).
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ class LitModule(L.LightningModule):
             int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
         )
         self.log("train/loss", loss, prog_bar=True)
+        for name, value in getattr(self.loss, "logged", {}).items():
+            self.log(f"train/{name}", value)
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self._log_throughput(n_tok)
         return loss

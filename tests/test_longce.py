@@ -173,6 +173,20 @@ def test_longce_through_causal_lm_matches_the_brute_force_definition(lm, lm_batc
     torch.testing.assert_close(loss, -(weights * long).mean())
 
 
+def test_longce_reports_the_plain_cross_entropy_and_how_its_weights_fell(lm, lm_batch):
+    batch, texts, _ = lm_batch
+    long, short, has_short = brute_force_rows(lm, texts)
+    weights = torch.where(has_short, (long - short).exp().clamp(max=1.5), 1.0)
+    longce = LongCE(1.5, LM_K, LM_D)
+    out = lm(batch)
+    longce(out, lm, batch)
+    assert (weights > 1).any() and (weights < 1).any()
+    torch.testing.assert_close(longce.logged["ce"], CrossEntropy()(out, lm, batch))
+    torch.testing.assert_close(longce.logged["longce_weight"], weights.mean())
+    torch.testing.assert_close(longce.logged["longce_up"], (weights > 1).float().mean())
+    torch.testing.assert_close(longce.logged["longce_down"], (weights < 1).float().mean())
+
+
 def test_longce_without_short_contexts_is_cross_entropy(lm, lm_batch):
     batch, _, _ = lm_batch
     out = lm(batch)

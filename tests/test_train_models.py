@@ -42,3 +42,5 @@ def test_llama_xl_trains_on_ordered_streams(tmp_path, loss):
     metrics = train(cfg)
     assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["val/ppl"])
     assert not (tmp_path / "memory_maps.png").exists()
+    logged = {"train/ce", "train/longce_weight", "train/longce_up", "train/longce_down"}
+    assert logged <= metrics.keys() if loss == "longce" else not logged & metrics.keys()
