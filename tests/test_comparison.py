@@ -38,6 +38,12 @@ def forgetting_curve_gains(results):
     return curve, dict(zip(curve["lengths"], np.subtract(curve["copy_acc"], curve["lm_acc"]), strict=True))
 
 
+def train_in_subprocess(*overrides: str) -> None:
+    """`python train.py <overrides>` from the repository root, as a user runs it; fails if the run fails."""
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "train.py", *overrides], cwd=root, check=True, capture_output=True)
+
+
 def family():
     return [
         model("short", [0.3, 0.2, 0.2], [0.2, 0.2, 0.2], 50.0, 90.0),
@@ -257,11 +263,14 @@ def test_smollm2_fine_tuned_with_a_segment_cache_reads_it_better_than_untrained(
     """Finding 3's fine-tuned Llama-XL, shortened to 40 steps of experiment=forgetting_smollm2_xl: past segment +
     cache (positions 512-2,047 of 3 test speeches) its perplexity falls below the untrained SmolLM2-XL's.
     About 10 minutes on one core."""
-    root = Path(__file__).resolve().parents[1]
     run = tmp_path / "run"
-    command = [sys.executable, "train.py", "experiment=forgetting_smollm2_xl", "trainer.max_steps=40"]
-    command += ["trainer.val_check_interval=40", "threads=1", f"run_dir={run}"]
-    subprocess.run(command, cwd=root, check=True, capture_output=True)
+    train_in_subprocess(
+        "experiment=forgetting_smollm2_xl",
+        "trainer.max_steps=40",
+        "trainer.val_check_interval=40",
+        "threads=1",
+        f"run_dir={run}",
+    )
     settings = (("max_len", 2048), ("max_docs", 3), ("kind", "linear"), ("n_bins", 4))
     by_position = ["eval=[ppl_by_position]", "threads=1", "logger=csv"]
     by_position += [f"eval.ppl_by_position.{k}={v}" for k, v in settings]
@@ -289,22 +298,17 @@ def test_smollm2_fine_tuned_with_a_segment_cache_reads_it_better_than_untrained(
 def test_longce_on_the_untrained_smollm2_xl_down_weights_most_tokens(tmp_path):
     """Finding 4's LongCE on SmolLM2 as Llama-XL, its first 4 steps: the untrained cache hurts more tokens than it
     helps (LSD < 0), so LongCE gives most tokens a weight below 1, the opposite of CE's push to repair the cache.
-    Measured: 0.62-0.67 of the tokens down-weighted at steps 1-3. About 4 minutes on one core."""
-    root = Path(__file__).resolve().parents[1]
-    command = [
-        sys.executable,
-        "train.py",
+    Measured: 0.62-0.67 of the tokens down-weighted at steps 1-3. About 2 minutes on one core."""
+    train_in_subprocess(
         "experiment=forgetting_smollm2_xl",
         "loss=longce",
         "trainer.max_steps=4",
-    ]
-    command += [
         "trainer.val_check_interval=4",
         "trainer.log_every_n_steps=1",
         "task.val_batches=1",
         "threads=1",
-    ]
-    subprocess.run([*command, f"run_dir={tmp_path}"], cwd=root, check=True, capture_output=True)
+        f"run_dir={tmp_path}",
+    )
     with open(next(tmp_path.glob("csv/*/metrics.csv"))) as f:
         rows = [row for row in csv.DictReader(f) if row["train/longce_down"]]
     # step 0 is every stream's first segment: no cache, weight 1
@@ -318,11 +322,15 @@ def test_smollm2_fine_tuned_as_rmt_copies_within_a_segment_and_nothing_past_it(t
     with segments of 64 it copies a 32-token prefix within the segment, and copies no better than it predicts text
     once the prefix lies a segment or more back (no fine-grained memory through 16 memory tokens). About 8 minutes
     on one core."""
-    root = Path(__file__).resolve().parents[1]
     run = tmp_path / "run"
-    command = [sys.executable, "train.py", "experiment=forgetting_smollm2_rmt", "model.segment_size=64"]
-    command += ["trainer.max_steps=30", "trainer.val_check_interval=30", "threads=1", f"run_dir={run}"]
-    subprocess.run(command, cwd=root, check=True, capture_output=True)
+    train_in_subprocess(
+        "experiment=forgetting_smollm2_rmt",
+        "model.segment_size=64",
+        "trainer.max_steps=30",
+        "trainer.val_check_interval=30",
+        "threads=1",
+        f"run_dir={run}",
+    )
     settings = (("max_len", 256), ("n_lengths", 8), ("n_samples", 8))
     fc = [f"eval.forgetting_curve.{k}={v}" for k, v in settings]
     ckpt = run / "checkpoints" / "last.ckpt"
@@ -336,17 +344,13 @@ def test_smollm2_fine_tuned_as_rmt_copies_within_a_segment_and_nothing_past_it(t
 def test_a_tiny_llama_trained_on_the_bible_at_256_has_coarse_memory_and_amnesia_past_it(tmp_path):
     """Finding 2 of the README, shortened to 3,000 steps (12.3M tokens): a coarse-grained memory of at least a quarter
     of the training length and amnesia at 2x and 4x it (no fine-grained memory yet). About 20 minutes on one core."""
-    root = Path(__file__).resolve().parents[1]
-    command = [
-        sys.executable,
-        "train.py",
+    train_in_subprocess(
         "experiment=forgetting_llama",
         "corpus=kjv",
         "trainer.max_steps=3000",
         "callbacks.forgetting_curve.split=test",  # the Bible's validation books are too short for 768-token targets
         f"run_dir={tmp_path / 'run'}",
-    ]
-    subprocess.run(command, cwd=root, check=True, capture_output=True)
+    )
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
     fc = [
         f"eval.forgetting_curve.{k}={v}" for k, v in (("max_len", 1024), ("n_lengths", 16), ("n_samples", 40))
