@@ -6,7 +6,9 @@ continues with exactly the batch it would have seen, and dataloader workers neve
 - ordered (Transformer-XL): each batch row is one continuous stream of whole documents; consecutive batches
   continue it. A document's last segment is right-padded, and the next batch starts a new document in that row
   with `reset[b] = True`, so a recurrent model drops its cache exactly at document boundaries.
-Each document is `[bos] text [eos]`.
+Each document is `[bos] text [eos]`. Optionally (`repeat_share`) a share of the shuffled training rows are a span of
+text (or of random tokens, `repeat_random`) repeated end to end: the dense copying signal a small model needs to
+learn to copy (README, finding 2).
 """
 
 from __future__ import annotations
@@ -51,22 +53,54 @@ class BatchStream(IterableDataset):
             k += n
 
 
-class ShuffledChunks:
-    """Batch j of non-overlapping (T+1)-token chunks, reshuffled every pass over the corpus."""
+def repeat_spans(
+    chunks: np.ndarray, share: float, pool: np.ndarray | None, rng: np.random.Generator, min_span: int = 16
+) -> np.ndarray:
+    """(B, T+1) chunks, each row with probability `share` replaced by a span of k tokens repeated end to end,
+    k uniform in [min_span, (T+1) // 2]: every token past the first k is the token k back. The span is the row's own
+    first k tokens of text, or (with a `pool` of token ids) k tokens drawn uniformly from it: random tokens leave
+    nothing to predict but the copy, which is how a small model first learns to copy (README, finding 2)."""
+    out = chunks.copy()
+    longest = chunks.shape[1] // 2
+    for b in np.flatnonzero(rng.random(len(chunks)) < share):
+        k = rng.integers(min(min_span, longest), longest + 1)
+        out[b] = np.resize(chunks[b, :k] if pool is None else rng.choice(pool, k), chunks.shape[1])
+    return out
 
-    def __init__(self, docs: list[np.ndarray], seq_len: int, batch_size: int, seed: int):
+
+class ShuffledChunks:
+    """Batch j of non-overlapping (T+1)-token chunks, reshuffled every pass over the corpus; `repeat_share` of
+    the rows (drawn afresh for each batch) are a span of text, or of random tokens, repeated (`repeat_spans`)."""
+
+    def __init__(
+        self,
+        docs: list[np.ndarray],
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        repeat_share: float = 0.0,
+        repeat_random: bool = False,
+    ):
         stream = np.concatenate(docs)
         n = (len(stream) - 1) // seq_len
         if n < batch_size:
             raise ConfigError(f"Corpus too small: {n} chunks of {seq_len} tokens < batch_size {batch_size}")
         self.stream, self.seq_len, self.batch_size, self.seed = stream, seq_len, batch_size, seed
-        self.per_epoch = n // batch_size
+        self.per_epoch, self.repeat_share = n // batch_size, repeat_share
+        self.pool = (
+            np.unique(stream) if repeat_random else None
+        )  # the tokens a random repeated span draws from
 
     def __call__(self, j: int) -> dict[str, torch.Tensor]:
         epoch, k = divmod(j, self.per_epoch)
         perm = np.random.default_rng([self.seed, epoch]).permutation(self.per_epoch * self.batch_size)
         starts = perm[k * self.batch_size : (k + 1) * self.batch_size] * self.seq_len
-        return lm_batch(np.stack([self.stream[s : s + self.seq_len + 1] for s in starts]))
+        chunks = np.stack([self.stream[s : s + self.seq_len + 1] for s in starts])
+        if self.repeat_share > 0:
+            chunks = repeat_spans(
+                chunks, self.repeat_share, self.pool, np.random.default_rng([self.seed, j, 1])
+            )
+        return lm_batch(chunks)
 
 
 class OrderedStreams:
@@ -134,6 +168,8 @@ class LMDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
         cache_dir: str | None = None,
+        repeat_share: float = 0.0,
+        repeat_random: bool = False,
     ):
         super().__init__()
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("val_batches", val_batches)):
@@ -143,7 +179,17 @@ class LMDataModule(L.LightningDataModule):
             raise ConfigError(
                 f"task.num_workers must be >= 0 (0: load in the main process), got {num_workers}."
             )
+        if not 0.0 <= repeat_share <= 1.0:
+            raise ConfigError(
+                f"task.repeat_share is a share of the training rows, in [0, 1]; got {repeat_share}."
+            )
+        if repeat_share > 0 and ordered:
+            raise ConfigError(
+                "task.repeat_share repeats spans inside shuffled rows; an ordered (recurrent) stream cannot take it: "
+                "set task.repeat_share=0 or use a model with ordered_data false."
+            )
         self.tokenizer, self.corpus = tokenizer, corpus
+        self.repeat_share, self.repeat_random = repeat_share, repeat_random
         self.seq_len, self.batch_size, self.ordered = seq_len, batch_size, ordered
         self.val_batches, self.num_workers, self.seed, self.cache_dir = (
             val_batches,
@@ -163,7 +209,8 @@ class LMDataModule(L.LightningDataModule):
         docs = self.splits[split]
         if self.ordered:
             return OrderedStreams(docs, self.seq_len, self.batch_size, self.tokenizer.pad_id, seed)
-        return ShuffledChunks(docs, self.seq_len, self.batch_size, seed)
+        repeat_share = self.repeat_share if split == "train" else 0.0  # validation and test stay plain text
+        return ShuffledChunks(docs, self.seq_len, self.batch_size, seed, repeat_share, self.repeat_random)
 
     def consumed_batches(self) -> int:
         """Training batches already used (restored from the checkpoint on resume)."""

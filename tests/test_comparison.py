@@ -359,3 +359,36 @@ def test_a_tiny_llama_trained_on_the_bible_at_256_has_coarse_memory_and_amnesia_
     curve, gain = forgetting_curve_gains(tmp_path / "run" / "checkpoints" / "last.ckpt.eval")
     assert curve["fine_length"] == 0 and curve["coarse_length"] >= 64, curve
     assert all(abs(g) < 0.01 for length, g in gain.items() if length >= 512), gain
+
+
+@pytest.mark.slow
+def test_a_tiny_llama_taught_to_copy_then_trained_on_text_copies_to_half_its_length_and_forgets_past_it(
+    tmp_path,
+):
+    """Finding 2's copying Llama, shortened: experiment=copy_warmup (1,500 steps of random tokens repeated), then
+    1,000 steps of text at length 128 (a quarter of the rows repeated): it copies text it has never seen up to half
+    the training length, and copy equals LM accuracy from the training length on. About 12 minutes on one core."""
+    train_in_subprocess(
+        "experiment=copy_warmup", "~callbacks.forgetting_curve", f"run_dir={tmp_path / 'warm'}"
+    )
+    train_in_subprocess(
+        "experiment=forgetting_llama_copy",
+        f"init_from={tmp_path / 'warm' / 'checkpoints' / 'last.ckpt'}",
+        "task.seq_len=128",
+        "task.batch_size=32",
+        "trainer.max_steps=1000",
+        "~callbacks.forgetting_curve",
+        f"run_dir={tmp_path / 'run'}",
+    )
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    fc = [
+        f"eval.forgetting_curve.{k}={v}" for k, v in (("max_len", 512), ("n_lengths", 16), ("n_samples", 20))
+    ]
+    evaluate(compose_eval([f"ckpt_path={ckpt}", "eval=[forgetting_curve]", *fc, "logger=csv"]))
+    curve, gain = forgetting_curve_gains(f"{ckpt}.eval")
+    copy = dict(zip(curve["lengths"], curve["copy_acc"], strict=True))
+    assert copy[32] > 0.9 and gain[32] > 0.5 and gain[64] > 0.3, curve  # copies to half the training length
+    assert curve["coarse_length"] >= 32, curve
+    assert all(abs(g) < 0.02 for length, g in gain.items() if length >= 128), (
+        gain
+    )  # amnesia from the training length

@@ -32,6 +32,42 @@ def test_shuffled_chunks_are_deterministic_and_cover_each_epoch():
     assert len({tuple(r.tolist()) for r in epoch}) == make.per_epoch * 4  # no chunk twice in one epoch
 
 
+@pytest.mark.parametrize("random_span", [False, True])
+def test_repeat_share_turns_rows_into_a_span_repeated_and_leaves_the_rest_as_text(random_span):
+    plain = ShuffledChunks(docs([3000, 2000]), seq_len=64, batch_size=8, seed=3)
+    mixed = ShuffledChunks(
+        docs([3000, 2000]), seq_len=64, batch_size=8, seed=3, repeat_share=0.5, repeat_random=random_span
+    )
+    n_repeated, spans = 0, set()
+    for j in range(20):
+        text, batch = plain(j), mixed(j)
+        assert torch.equal(batch["input_ids"], mixed(j)["input_ids"])  # a pure function of j (resumable)
+        rows = torch.cat([batch["input_ids"], batch["labels"][:, -1:]], 1)  # (B, T+1) chunks
+        text_rows = torch.cat([text["input_ids"], text["labels"][:, -1:]], 1)
+        for b in range(8):
+            if torch.equal(rows[b], text_rows[b]):
+                continue
+            (k,) = [k for k in range(16, 33) if torch.equal(rows[b, k:], rows[b, :-k])][:1]  # its period
+            if random_span:  # tokens of the corpus, not the row's text
+                assert set(rows[b].tolist()) <= set(mixed.pool.tolist()) and not torch.equal(
+                    rows[b, :k], text_rows[b, :k]
+                )
+            else:  # the row's own first k tokens
+                assert torch.equal(rows[b, :k], text_rows[b, :k])
+            n_repeated, spans = n_repeated + 1, spans | {k}
+    assert 50 < n_repeated < 110 and len(spans) > 10  # about half the 160 rows, spans of 16..32 tokens
+    dm = LMDataModule(None, None, seq_len=64, batch_size=8, repeat_share=0.5, repeat_random=random_span)
+    dm.splits = {"train": docs([3000, 2000]), "validation": docs([3000, 2000])}
+    assert torch.equal(
+        dm.make_stream("validation", 3)(0)["input_ids"], plain(0)["input_ids"]
+    )  # val: text only
+    assert torch.equal(dm.make_stream("train", 3)(0)["input_ids"], mixed(0)["input_ids"])
+    with pytest.raises(ConfigError, match=r"repeat_share is a share .* in \[0, 1\]"):
+        LMDataModule(None, None, repeat_share=1.5)
+    with pytest.raises(ConfigError, match="an ordered .* stream cannot take it"):
+        LMDataModule(None, None, ordered=True, repeat_share=0.5)
+
+
 def test_stream_resumes_and_splits_across_workers_and_ranks():
     make = ShuffledChunks(docs([2000]), seq_len=8, batch_size=2, seed=0)
     full = take(BatchStream(make), 6)
