@@ -161,6 +161,11 @@ class Run:
 def build_callbacks(cfg: DictConfig, datamodule) -> list:
     callbacks = []
     for name, c in (cfg.get("callbacks") or {}).items():
+        if "_target_" not in c:  # e.g. an experiment's callbacks.forgetting_curve.* after callbacks=default
+            raise ConfigError(
+                f"callbacks.{name} sets options of a callback that the chosen callbacks group does not have; "
+                f"drop them with ~callbacks.{name}, or pick a callbacks group that has it."
+            )
         if name == "progress_bar" and not (
             cfg.trainer.get("enable_progress_bar", True) and sys.stdout.isatty()
         ):

@@ -74,6 +74,11 @@ def rmt_checkpoint(tmp_path_factory) -> Path:
             "model=rmtt: no such option; did you mean model=rmt? Valid model options: armt, llama, llama_xl, rmt, rmt_r.",
         ),
         (["trainer.max_steps=["], "Cannot read the override 'trainer.max_steps=['"),
+        (  # an experiment's callbacks.forgetting_curve.* left behind by callbacks=default
+            ["+callbacks.forgetting_curve.every_n_val=2"],
+            "callbacks.forgetting_curve sets options of a callback that the chosen callbacks group does not have; "
+            "drop them with ~callbacks.forgetting_curve",
+        ),
     ],
 )
 def test_train_bad_input_exits_with_one_message(monkeypatch, tmp_path, args, message):
