@@ -87,9 +87,8 @@ class ShuffledChunks:
             raise ConfigError(f"Corpus too small: {n} chunks of {seq_len} tokens < batch_size {batch_size}")
         self.stream, self.seq_len, self.batch_size, self.seed = stream, seq_len, batch_size, seed
         self.per_epoch, self.repeat_share = n // batch_size, repeat_share
-        self.pool = (
-            np.unique(stream) if repeat_random else None
-        )  # the tokens a random repeated span draws from
+        # the tokens a random repeated span draws from (only a stream with repeats needs them)
+        self.pool = np.unique(stream) if repeat_random and repeat_share > 0 else None
 
     def __call__(self, j: int) -> dict[str, torch.Tensor]:
         epoch, k = divmod(j, self.per_epoch)

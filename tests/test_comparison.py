@@ -389,6 +389,5 @@ def test_a_tiny_llama_taught_to_copy_then_trained_on_text_copies_to_half_its_len
     copy = dict(zip(curve["lengths"], curve["copy_acc"], strict=True))
     assert copy[32] > 0.9 and gain[32] > 0.5 and gain[64] > 0.3, curve  # copies to half the training length
     assert curve["coarse_length"] >= 32, curve
-    assert all(abs(g) < 0.02 for length, g in gain.items() if length >= 128), (
-        gain
-    )  # amnesia from the training length
+    # amnesia from the training length
+    assert all(abs(g) < 0.02 for length, g in gain.items() if length >= 128), gain

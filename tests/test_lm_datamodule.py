@@ -58,9 +58,8 @@ def test_repeat_share_turns_rows_into_a_span_repeated_and_leaves_the_rest_as_tex
     assert 50 < n_repeated < 110 and len(spans) > 10  # about half the 160 rows, spans of 16..32 tokens
     dm = LMDataModule(None, None, seq_len=64, batch_size=8, repeat_share=0.5, repeat_random=random_span)
     dm.splits = {"train": docs([3000, 2000]), "validation": docs([3000, 2000])}
-    assert torch.equal(
-        dm.make_stream("validation", 3)(0)["input_ids"], plain(0)["input_ids"]
-    )  # val: text only
+    # validation stays text; the training stream is the repeated one
+    assert torch.equal(dm.make_stream("validation", 3)(0)["input_ids"], plain(0)["input_ids"])
     assert torch.equal(dm.make_stream("train", 3)(0)["input_ids"], mixed(0)["input_ids"])
     with pytest.raises(ConfigError, match=r"repeat_share is a share .* in \[0, 1\]"):
         LMDataModule(None, None, repeat_share=1.5)
