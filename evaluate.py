@@ -10,7 +10,8 @@ A checkpoint carries its resolved training config (`checkpoint["config"]`; only 
 accepted, models/run_config.py): tokenizer and model are rebuilt from it with `models.builders.build_model` and its
 `model.`-prefixed weights loaded. Evaluators are the entries of
 `configs/eval/` (protocol: `fn(model, tokenizer, corpus, out_dir, **flat_args) -> {metric: float}`, model in eval
-mode; see `ppl` and `babilong` below). Results go to `<ckpt>.eval/<evaluator>/` (JSON, CSV, PNG) and
+mode; see `ppl` and `babilong` below). Results go to `<ckpt>.eval/<evaluator>/` (JSON, CSV, PNG; with window=W to
+`<ckpt>.window<W>.eval/`) and
 `<ckpt>.eval/metrics.json`; each metric is logged as `eval/<metric>` at the checkpoint's global step, to CSV
 (`RUN_DIR/eval/version_N/metrics.csv`) and to the training run's own W&B run (its id read from `RUN_DIR/wandb`).
 """
@@ -345,6 +346,19 @@ def with_window(config: DictConfig, window: int | None, path: str | Path) -> Dic
     return config
 
 
+def checkpoint_results(ckpt: str | Path, window: int | None = None) -> Path:
+    """Where evaluate.py writes a checkpoint's results: `<ckpt>.eval/`, or `<ckpt>.window<W>.eval/` when it is
+    streamed through another window (window=W), so the two never overwrite each other."""
+    folder = results_dir(ckpt)
+    return folder if window is None else folder.with_name(f"{Path(ckpt).name}.window{int(window)}.eval")
+
+
+def evaluated_checkpoint(folder: Path) -> Path | None:
+    """The checkpoint whose results `folder` holds (`x.ckpt.eval`, `x.ckpt.window<W>.eval`); None for an out_dir."""
+    name, ext, _ = folder.name.partition(".ckpt")
+    return folder.with_name(name + ext) if ext and folder.name.endswith(".eval") else None
+
+
 def run_dir_of(ckpt: str | Path) -> Path:
     """RUN_DIR of RUN_DIR/checkpoints/x.ckpt (else the checkpoint's own folder)."""
     folder = Path(ckpt).resolve().parent
@@ -433,7 +447,7 @@ class CheckpointEvaluator:
         if self.loggers is None:
             self.loggers = build_loggers(self.cfg, self.run_dir, config)
         step = int(checkpoint.get("global_step", 0))
-        out_dir = results_dir(path)
+        out_dir = checkpoint_results(path, self.cfg.get("window"))
         evaluators = checkpoint_task(OmegaConf.to_container(self.cfg.eval), config)
         metrics, images = evaluate_model(
             self.model, self.tokenizer, self.corpus, evaluators, out_dir, self.context
@@ -569,14 +583,22 @@ def compare_checkpoints(cfg: DictConfig) -> dict[str, float]:
             "compare=[A.ckpt,B.ckpt,...] evaluates its own checkpoints: drop ckpt_path/watch/export."
         )
     paths = [Path(p) for p in cfg.compare]
-    # the checkpoint of each entry: a file, or the one whose results folder (<ckpt>.eval) it is; None: an out_dir
-    ckpts = [p.with_suffix("") if p.suffix == ".eval" else p for p in paths]
-    ckpts = [None if p.is_dir() and c == p else c for p, c in zip(paths, ckpts, strict=True)]
+    # the checkpoint of each entry: a file, or the one whose results folder it is; None: an out_dir
+    ckpts = [evaluated_checkpoint(p) if p.is_dir() else p for p in paths]
     runs = [run_dir_of(c) if c else None for c in ckpts]
-    labels = [
-        path.name if run is None else f"{run.name}@{ckpt.stem}" if runs.count(run) > 1 else run.name
-        for path, ckpt, run in zip(paths, ckpts, runs, strict=True)
+    window = cfg.get("window")
+    windows = [  # the window each entry was streamed through: window= for files, the folder's name for results
+        p.name.removesuffix(".eval").partition(".ckpt.")[2]
+        if p.is_dir()
+        else f"window{window}"
+        if window
+        else ""
+        for p in paths
     ]
+    labels = []  # the run's name (@checkpoint where it gives several; +window<W> where streamed through one)
+    for path, ckpt, run, w in zip(paths, ckpts, runs, windows, strict=True):
+        name = path.name if run is None else f"{run.name}@{ckpt.stem}" if runs.count(run) > 1 else run.name
+        labels.append(f"{name}+{w}" if w and run else name)
     evaluators: dict[Path, CheckpointEvaluator] = {}  # one a run: its checkpoints share the model and loggers
     models = []
     try:
@@ -588,9 +610,8 @@ def compare_checkpoints(cfg: DictConfig) -> dict[str, float]:
             if run not in evaluators:
                 evaluators[run] = CheckpointEvaluator(cfg, run)
             evaluators[run](path, checkpoint)
-            models.append(
-                EvaluatedModel.load(results_dir(path), label, int(checkpoint.get("global_step", 0)))
-            )
+            step = int(checkpoint.get("global_step", 0))
+            models.append(EvaluatedModel.load(checkpoint_results(path, window), label, step))
     finally:
         for evaluator in evaluators.values():
             evaluator.close()

@@ -144,19 +144,44 @@ class Oracle(nn.Module):
 
 def test_window_streams_a_checkpointed_lm_through_a_longer_window(trained, tmp_path):
     """window= evaluates a checkpoint with more context than its training length (32 tokens here); the models
-    the papers measure past their training length see it all. Was: model.window= was silently ignored."""
+    the papers measure past their training length see it all. Was: model.window= was silently ignored. Its results
+    go to <ckpt>.window96.eval beside the plain ones (was: into <ckpt>.eval, over them), and compare= tells them apart."""
     run_dir, run = trained
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     args = {"max_len": 96, "max_docs": 2}
     overrides = [f"ckpt_path={ckpt}", "logger=csv", *[f"eval.ppl.{k}={v}" for k, v in args.items()]]
-    metrics = evaluate(compose_eval([*overrides, "window=96"]))
-
+    curve = [
+        "eval.forgetting_curve.max_len=16",
+        "eval.forgetting_curve.n_lengths=2",
+        "eval.forgetting_curve.n_samples=2",
+    ]
+    plain = evaluate(compose_eval([*overrides, "eval=[ppl,forgetting_curve]", *curve]))
+    metrics = evaluate(compose_eval([*overrides, "eval=[ppl,forgetting_curve]", *curve, "window=96"]))
     full = CausalLM(run.module.model.backbone, window=96).eval()
     reference = ppl(full, run.tokenizer, run.datamodule.corpus, tmp_path / "ref", **args)
-    assert metrics == pytest.approx({f"eval/{k}": v for k, v in reference.items()}, rel=1e-6)
+    windowed_ppl = {k: v for k, v in metrics.items() if k.startswith("eval/ppl")}
+    assert windowed_ppl == pytest.approx({f"eval/{k}": v for k, v in reference.items()}, rel=1e-6)
     windowed = ppl(run.module.model.eval(), run.tokenizer, run.datamodule.corpus, tmp_path / "w32", **args)
     # the training window would have given another number
     assert abs(windowed["ppl"] - reference["ppl"]) > 1e-3
+    saved = {
+        name: json.loads((ckpt.parent / name / "metrics.json").read_text())["metrics"]
+        for name in ("last.ckpt.eval", "last.ckpt.window96.eval")
+    }
+    assert saved == {"last.ckpt.eval": plain, "last.ckpt.window96.eval": metrics}
+    folders = f"[{ckpt}.eval,{ckpt}.window96.eval]"
+    evaluate(compose_eval([f"compare={folders}", f"out_dir={tmp_path / 'cmp'}"]))
+    rows = json.loads((tmp_path / "cmp" / "comparison.json").read_text())["models"]
+    assert [(r["model"], r["ppl"]) for r in rows] == [
+        (f"{run_dir.name}@last", plain["eval/ppl"]),
+        (f"{run_dir.name}@last+window96", metrics["eval/ppl"]),
+    ]
+    again = [f"compare=[{ckpt}]", "window=96", "eval=[ppl,forgetting_curve]", *curve, *overrides[1:]]
+    evaluate(
+        compose_eval([*again, f"out_dir={tmp_path / 'again'}"])
+    )  # a checkpoint evaluated within compare=
+    rows = json.loads((tmp_path / "again" / "comparison.json").read_text())["models"]
+    assert [(r["model"], r["ppl"]) for r in rows] == [(f"{run_dir.name}+window96", metrics["eval/ppl"])]
 
 
 def test_window_sets_a_plain_lms_window_and_is_refused_for_a_model_without_one():
