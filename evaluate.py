@@ -353,10 +353,14 @@ def checkpoint_results(ckpt: str | Path, window: int | None = None) -> Path:
     return folder if window is None else folder.with_name(f"{Path(ckpt).name}.window{int(window)}.eval")
 
 
-def evaluated_checkpoint(folder: Path) -> Path | None:
-    """The checkpoint whose results `folder` holds (`x.ckpt.eval`, `x.ckpt.window<W>.eval`); None for an out_dir."""
-    name, ext, _ = folder.name.partition(".ckpt")
-    return folder.with_name(name + ext) if ext and folder.name.endswith(".eval") else None
+def evaluated_checkpoint(folder: Path) -> tuple[Path | None, int | None]:
+    """The checkpoint whose results `folder` holds and the window it was streamed through (`x.ckpt.eval`: None,
+    `x.ckpt.window<W>.eval`: W); (None, None) for an out_dir."""
+    name, ext, rest = folder.name.partition(".ckpt")
+    if not (ext and rest.endswith(".eval")):
+        return None, None
+    window = rest.removesuffix(".eval").removeprefix(".window")
+    return folder.with_name(name + ext), int(window) if window else None
 
 
 def run_dir_of(ckpt: str | Path) -> Path:
@@ -583,22 +587,16 @@ def compare_checkpoints(cfg: DictConfig) -> dict[str, float]:
             "compare=[A.ckpt,B.ckpt,...] evaluates its own checkpoints: drop ckpt_path/watch/export."
         )
     paths = [Path(p) for p in cfg.compare]
-    # the checkpoint of each entry: a file, or the one whose results folder it is; None: an out_dir
-    ckpts = [evaluated_checkpoint(p) if p.is_dir() else p for p in paths]
-    runs = [run_dir_of(c) if c else None for c in ckpts]
     window = cfg.get("window")
-    windows = [  # the window each entry was streamed through: window= for files, the folder's name for results
-        p.name.removesuffix(".eval").partition(".ckpt.")[2]
-        if p.is_dir()
-        else f"window{window}"
-        if window
-        else ""
-        for p in paths
-    ]
+    # the checkpoint of each entry and its window: a file (window=), or the results folder of one; None: an out_dir
+    ckpts, windows = zip(
+        *(evaluated_checkpoint(p) if p.is_dir() else (p, window) for p in paths), strict=True
+    )
+    runs = [run_dir_of(c) if c else None for c in ckpts]
     labels = []  # the run's name (@checkpoint where it gives several; +window<W> where streamed through one)
     for path, ckpt, run, w in zip(paths, ckpts, runs, windows, strict=True):
         name = path.name if run is None else f"{run.name}@{ckpt.stem}" if runs.count(run) > 1 else run.name
-        labels.append(f"{name}+{w}" if w and run else name)
+        labels.append(f"{name}+window{w}" if w else name)
     evaluators: dict[Path, CheckpointEvaluator] = {}  # one a run: its checkpoints share the model and loggers
     models = []
     try:

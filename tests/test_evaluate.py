@@ -177,9 +177,8 @@ def test_window_streams_a_checkpointed_lm_through_a_longer_window(trained, tmp_p
         (f"{run_dir.name}@last+window96", metrics["eval/ppl"]),
     ]
     again = [f"compare=[{ckpt}]", "window=96", "eval=[ppl,forgetting_curve]", *curve, *overrides[1:]]
-    evaluate(
-        compose_eval([*again, f"out_dir={tmp_path / 'again'}"])
-    )  # a checkpoint evaluated within compare=
+    # a checkpoint evaluated within compare=
+    evaluate(compose_eval([*again, f"out_dir={tmp_path / 'again'}"]))
     rows = json.loads((tmp_path / "again" / "comparison.json").read_text())["models"]
     assert [(r["model"], r["ppl"]) for r in rows] == [(f"{run_dir.name}+window96", metrics["eval/ppl"])]
 
