@@ -346,13 +346,6 @@ def with_window(config: DictConfig, window: int | None, path: str | Path) -> Dic
     return config
 
 
-def checkpoint_results(ckpt: str | Path, window: int | None = None) -> Path:
-    """Where evaluate.py writes a checkpoint's results: `<ckpt>.eval/`, or `<ckpt>.window<W>.eval/` when it is
-    streamed through another window (window=W), so the two never overwrite each other."""
-    folder = results_dir(ckpt)
-    return folder if window is None else folder.with_name(f"{Path(ckpt).name}.window{int(window)}.eval")
-
-
 def evaluated_checkpoint(folder: Path) -> tuple[Path | None, int | None]:
     """The checkpoint whose results `folder` holds and the window it was streamed through (`x.ckpt.eval`: None,
     `x.ckpt.window<W>.eval`: W); (None, None) for an out_dir."""
@@ -451,7 +444,7 @@ class CheckpointEvaluator:
         if self.loggers is None:
             self.loggers = build_loggers(self.cfg, self.run_dir, config)
         step = int(checkpoint.get("global_step", 0))
-        out_dir = checkpoint_results(path, self.cfg.get("window"))
+        out_dir = results_dir(path, self.cfg.get("window"))
         evaluators = checkpoint_task(OmegaConf.to_container(self.cfg.eval), config)
         metrics, images = evaluate_model(
             self.model, self.tokenizer, self.corpus, evaluators, out_dir, self.context
@@ -535,7 +528,9 @@ def evaluate(cfg: DictConfig) -> dict:
             raise MissingFileError(f"watch={run_dir}: no such run folder (give the training run_dir).")
         evaluator = CheckpointEvaluator(cfg, run_dir)
         try:
-            done = watch(run_dir / "checkpoints", evaluator, tag=sorted(cfg.eval), **cfg.watcher)
+            done = watch(
+                run_dir / "checkpoints", evaluator, tag=sorted(cfg.eval), window=cfg.get("window"), **cfg.watcher
+            )
         finally:
             evaluator.close()
         return {"evaluated": [str(p) for p in done]}
@@ -609,7 +604,7 @@ def compare_checkpoints(cfg: DictConfig) -> dict[str, float]:
                 evaluators[run] = CheckpointEvaluator(cfg, run)
             evaluators[run](path, checkpoint)
             step = int(checkpoint.get("global_step", 0))
-            models.append(EvaluatedModel.load(checkpoint_results(path, window), label, step))
+            models.append(EvaluatedModel.load(results_dir(path, window), label, step))
     finally:
         for evaluator in evaluators.values():
             evaluator.close()

@@ -177,12 +177,13 @@ def process_alive(pid: int) -> bool:
 
 
 # ---- the watcher's done markers (callbacks/watch.py writes them) ------------------------------------------------
-def results_dir(ckpt: str | Path) -> Path:
+def results_dir(ckpt: str | Path, window: int | None = None) -> Path:
     """Where a checkpoint's evaluation results go: `<ckpt>.eval/` beside it (for one kept in `unevaluated/`,
-    beside the other checkpoints)."""
+    beside the other checkpoints), or `<ckpt>.window<W>.eval/` when it is streamed through another window
+    (evaluate.py window=W), so the two never overwrite each other."""
     ckpt = Path(ckpt)
     folder = ckpt.parent.parent if ckpt.parent.name == KEPT_DIR else ckpt.parent
-    return folder / (ckpt.name + ".eval")
+    return folder / (ckpt.name + ("" if window is None else f".window{int(window)}") + ".eval")
 
 
 def file_identity(path: Path) -> dict[str, int]:
@@ -190,9 +191,9 @@ def file_identity(path: Path) -> dict[str, int]:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def read_marker(ckpt: Path) -> dict | None:
+def read_marker(ckpt: Path, window: int | None = None) -> dict | None:
     try:
-        return json.loads((results_dir(ckpt) / "done.json").read_text())
+        return json.loads((results_dir(ckpt, window) / "done.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 

@@ -4,7 +4,8 @@ A checkpoint is a `*.ckpt` file in the checkpoint folder or in its `unevaluated/
 `callbacks.model_checkpoint.keep_unevaluated=true` keeps what it would otherwise replace or delete); temporary files
 of the atomic writer (`.<name>.tmp<pid>`, hidden) are never read, and a file must have been left alone for `settle_s`
 seconds. Done-ness is keyed by file identity (size + mtime), not by name: `last.ckpt` is replaced at every save and is
-then a new checkpoint. After each evaluation (or skip) a marker `<ckpt>.eval/done.json` records that identity, the
+then a new checkpoint. After each evaluation (or skip) a marker `<ckpt>.eval/done.json` (with a streaming window W:
+`<ckpt>.window<W>.eval/done.json`, beside the results it marks) records that identity, the
 checkpoint's content hash (`state_digest`: weights, model config and step), its run id and global step, and a `tag`
 (the evaluator names), so a restarted watcher skips finished work and a new set of evaluators redoes it. A checkpoint
 whose content was already evaluated (`last.ckpt` and `step000006.ckpt` saved together) is marked `same_as` that one;
@@ -78,17 +79,20 @@ class Watcher:
         evaluate_fn: EvaluateFn,
         settle_s: float = 1.0,
         tag: list[str] | None = None,
+        window: int | None = None,
     ):
         self.ckpt_dir, self.evaluate_fn, self.settle_s = Path(ckpt_dir), evaluate_fn, settle_s
+        self.window = window  # evaluate.py window=W: results and markers in <ckpt>.window<W>.eval/
         self.tag = list(tag or [])
         self.failed: dict[Path, dict] = {}  # path -> identity that failed: not retried until the file changes
         self.contents: dict[str, str] = {}  # state digest -> name of the checkpoint evaluated with it
         self.steps: set[tuple[str | None, int]] = set()  # (run id, global step) evaluated
         self.missed: set[tuple[str | None, int]] = set()  # reported once
-        for marker in sorted(self.ckpt_dir.glob("*.ckpt.eval/done.json")):
+        suffix = results_dir("x.ckpt", window).name.removeprefix("x.ckpt")  # .eval or .window<W>.eval
+        for marker in sorted(self.ckpt_dir.glob(f"*.ckpt{suffix}/done.json")):  # also of files now gone
             done = json.loads(marker.read_text())
             if done.get("tag") == self.tag:
-                self.contents.setdefault(done.get("content"), marker.parent.name.removesuffix(".eval"))
+                self.contents.setdefault(done.get("content"), marker.parent.name.removesuffix(suffix))
                 self.steps.add((done.get("run_id"), int(done["global_step"])))
 
     def pending(self) -> list[Path]:
@@ -102,7 +106,7 @@ class Watcher:
                 ident = file_identity(path)
             except FileNotFoundError:  # removed by top-k rotation meanwhile
                 continue
-            marker = read_marker(path) or {}
+            marker = read_marker(path, self.window) or {}
             done = marker.get("identity") == ident and marker.get("tag") == self.tag
             if done or self.failed.get(path) == ident:
                 continue
@@ -113,7 +117,7 @@ class Watcher:
     def mark_done(self, path: Path, ident: dict, checkpoint: dict, content: str, **info) -> None:
         step, run = int(checkpoint.get("global_step", -1)), run_of(checkpoint)
         marker = {"identity": ident, "content": content, "run_id": run, "global_step": step, "tag": self.tag}
-        write_json(results_dir(path) / "done.json", marker | info)
+        write_json(results_dir(path, self.window) / "done.json", marker | info)
         self.steps.add((run, step))
         if path.parent.name == KEPT_DIR:  # kept for this watcher only
             path.unlink(missing_ok=True)
@@ -145,7 +149,7 @@ class Watcher:
                 self.mark_done(path, ident, checkpoint, content, same_as=self.contents[content])
                 continue
             log.info("Evaluating %s (global step %d)", path, step)
-            (results_dir(path) / "done.json").unlink(missing_ok=True)
+            (results_dir(path, self.window) / "done.json").unlink(missing_ok=True)
             try:
                 metrics = self.evaluate_fn(path, checkpoint)
             except Exception:
@@ -185,10 +189,11 @@ def watch(
     once: bool = False,
     settle_s: float = 1.0,
     tag: list[str] | None = None,
+    window: int | None = None,
 ) -> list[Path]:
     """Poll `ckpt_dir` every `poll_s` seconds; stop after one scan (`once`) or after `timeout_s` seconds without a
     new checkpoint (None: never). Returns the checkpoints evaluated."""
-    watcher, evaluated = Watcher(ckpt_dir, evaluate_fn, settle_s, tag), []
+    watcher, evaluated = Watcher(ckpt_dir, evaluate_fn, settle_s, tag, window), []
     last_new = time.monotonic()
     log.info("Watching %s for new checkpoints (every %ss)", ckpt_dir, poll_s)
     while True:

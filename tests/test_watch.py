@@ -120,6 +120,21 @@ def test_restarted_watcher_skips_done_work_and_sees_a_replaced_last_ckpt(finishe
     assert len(watch(ckpt_dir, other, once=True, settle_s=0, tag=["b"])) == 2 and other.steps == {4: 1, 8: 1}
 
 
+def test_windowed_and_plain_watchers_keep_their_own_markers(finished_run):
+    """watch=RUN window=W marks its work in <ckpt>.window<W>.eval/, so a plain watcher still evaluates every
+    checkpoint, and each skips its own done work when restarted."""
+    ckpt_dir = finished_run / "checkpoints"
+    windowed, plain = Counting(), Counting()
+    assert len(watch(ckpt_dir, windowed, once=True, settle_s=0, tag=["a"], window=64)) == 1
+    assert (results_dir(ckpt_dir / "step000004.ckpt", 64) / "done.json").is_file()
+    assert not results_dir(ckpt_dir / "step000004.ckpt").exists()
+    assert len(watch(ckpt_dir, plain, once=True, settle_s=0, tag=["a"])) == 1
+    assert windowed.steps == plain.steps == {4: 1}
+    assert watch(ckpt_dir, windowed, once=True, settle_s=0, tag=["a"], window=64) == []
+    assert watch(ckpt_dir, plain, once=True, settle_s=0, tag=["a"]) == []
+    assert windowed.steps == plain.steps == {4: 1}
+
+
 def test_watch_stops_after_timeout_and_refuses_a_missing_run(tmp_path):
     start = time.monotonic()
     assert watch(tmp_path, Counting(), poll_s=0.05, timeout_s=0.3) == []
