@@ -529,7 +529,11 @@ def evaluate(cfg: DictConfig) -> dict:
         evaluator = CheckpointEvaluator(cfg, run_dir)
         try:
             done = watch(
-                run_dir / "checkpoints", evaluator, tag=sorted(cfg.eval), window=cfg.get("window"), **cfg.watcher
+                run_dir / "checkpoints",
+                evaluator,
+                tag=sorted(cfg.eval),
+                window=cfg.get("window"),
+                **cfg.watcher,
             )
         finally:
             evaluator.close()
