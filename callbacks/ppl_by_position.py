@@ -207,9 +207,19 @@ def evaluate_ppl_by_position(
     n_bins: int = 16,
     kind: str = "log",
     max_docs: int | None = None,
+    min_len: int | None = None,
 ) -> dict[str, float]:
-    """evaluate.py evaluator: perplexity by token position over the held-out documents (JSON, CSV, PNG)."""
-    docs = held_out_docs(corpus, tokenizer, split)[:max_docs]
+    """evaluate.py evaluator: perplexity by token position over the held-out documents (JSON, CSV, PNG).
+    min_len: only documents of at least that many tokens, so that every bin up to min_len averages the same
+    documents (otherwise the late bins hold only the long ones, which may be easier or harder text)."""
+    docs = held_out_docs(corpus, tokenizer, split)
+    if min_len:
+        docs = [d for d in docs if len(d) >= min_len]
+        if not docs:
+            raise ConfigError(
+                f"No {split} document has min_len={min_len} tokens; lower eval.ppl_by_position.min_len."
+            )
+    docs = docs[:max_docs]
     result = ppl_by_position(model, docs, position_bins(max_len, n_bins, kind), progress=True)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

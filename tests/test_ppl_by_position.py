@@ -1,6 +1,7 @@
 """Perplexity by position: against a brute-force per-token definition, for full, sliding-window and XL models."""
 
 import math
+from itertools import pairwise
 from types import SimpleNamespace
 
 import numpy as np
@@ -74,6 +75,24 @@ def test_batching_does_not_change_the_result():
     one, three = ppl_by_position(model, docs, edges), ppl_by_position(model, docs, edges, batch_size=3)
     torch.testing.assert_close(torch.tensor(three.nll_sum), torch.tensor(one.nll_sum), rtol=1e-5, atol=1e-5)
     assert three.n_tokens == one.n_tokens and model.training  # the model's mode is restored
+
+
+def test_min_len_keeps_only_long_documents_so_every_bin_averages_the_same_ones(tmp_path, monkeypatch):
+    import callbacks.ppl_by_position as module
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, V, n).astype(np.int64) for n in (12, 40, 33, 50)]
+    monkeypatch.setattr(module, "held_out_docs", lambda corpus, tokenizer, split: docs)
+    model = make_model("sliding")
+    module.evaluate_ppl_by_position(
+        model, None, None, tmp_path, max_len=32, n_bins=4, kind="linear", min_len=33
+    )
+    got = PplByPositionResult.load_json(tmp_path / "ppl_by_position.json")
+    want = ppl_by_position(model, docs[1:], position_bins(32, 4, "linear"))
+    assert got.n_docs == 3 and got.n_tokens == [3 * (b - a) for a, b in pairwise(got.edges)]
+    torch.testing.assert_close(torch.tensor(got.nll_sum), torch.tensor(want.nll_sum))
+    with pytest.raises(ValueError, match="No test document has min_len=51 tokens"):
+        module.evaluate_ppl_by_position(model, None, None, tmp_path, max_len=32, min_len=51)
 
 
 def test_position_bins():
