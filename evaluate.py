@@ -332,11 +332,19 @@ def build_from_checkpoint(checkpoint: dict, path: str | Path) -> tuple[nn.Module
     return model, tokenizer, config
 
 
+XL_TARGET = "models.llama_xl.build_llama_xl"
+
+
 def with_window(config: DictConfig, window: int | None, path: str | Path) -> DictConfig:
     """`config` (a checkpoint's training config, or evaluate.py's own) with its plain LM streamed through `window`
-    tokens (stride window/2); None leaves it as it is."""
+    tokens (stride window/2); None leaves it as it is. A Llama-XL's backbone (same weights, same keys) runs as
+    that plain LM without its cache: window = segment + cache sees what each XL token sees, minus what the cached
+    states carried from further back (the recurrence)."""
     if window is None:
         return config
+    if config.model.get("_target_") == XL_TARGET:
+        backbone_keys = config.model.get("backbone")  # key_norm / attn_scale of the XL's backbone
+        config.model = {"_target_": "models.lm.build_causal_lm", "window": None, "backbone": backbone_keys}
     if "window" not in config.model:
         raise ConfigError(
             f"window={window} sets a plain LM's streaming window, but {path} holds a model without one "

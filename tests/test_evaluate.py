@@ -25,6 +25,7 @@ from models.config_errors import ConfigError
 from models.lm import CausalLM
 from models.outputs import ModelOutput, scored_positions
 from models.rmt import RMT
+from train import train
 
 WORDS = "red green blue small large old new quiet loud bright".split()
 PLACES = "garden kitchen office hallway bedroom bathroom park station".split()
@@ -181,6 +182,33 @@ def test_window_streams_a_checkpointed_lm_through_a_longer_window(trained, tmp_p
     evaluate(compose_eval([*again, f"out_dir={tmp_path / 'again'}"]))
     rows = json.loads((tmp_path / "again" / "comparison.json").read_text())["models"]
     assert [(r["model"], r["ppl"]) for r in rows] == [(f"{run_dir.name}+window96", metrics["eval/ppl"])]
+
+
+def test_window_runs_a_llama_xl_checkpoint_without_its_cache(tmp_path):
+    """window=W on a Llama-XL checkpoint streams its backbone (key norm and all) as a plain LM: positions below
+    segment + cache score exactly as in the XL (its second segment's cache is the first segment, computed without
+    a cache), later ones differ by what the cached states carried from further back."""
+    run_dir = tmp_path / "xl"
+    overrides = tiny_overrides(run_dir, 2, 2, "model=llama_xl", "model.segment_size=16")
+    train(compose_train(overrides))
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    by_position = [
+        "eval=[ppl_by_position]",
+        "eval.ppl_by_position.max_len=96",
+        "eval.ppl_by_position.kind=linear",
+    ]
+    by_position += ["eval.ppl_by_position.n_bins=6", "logger=csv", f"ckpt_path={ckpt}"]
+    evaluate(compose_eval(by_position))
+    evaluate(compose_eval([*by_position, "window=32"]))
+    xl, windowed = (
+        json.loads((ckpt.parent / name / "ppl_by_position" / "ppl_by_position.json").read_text())
+        for name in ("last.ckpt.eval", "last.ckpt.window32.eval")
+    )
+    assert xl["edges"][:3] == [1, 17, 33]
+    assert windowed["nll_sum"][:2] == pytest.approx(xl["nll_sum"][:2], rel=1e-6)  # positions 1-32
+    assert all(abs(a - b) > 1e-4 for a, b in zip(xl["nll_sum"][2:], windowed["nll_sum"][2:], strict=True))
+    config = with_window(OmegaConf.create(torch.load(ckpt, weights_only=False)["config"]), 32, ckpt)
+    assert config.model._target_ == "models.lm.build_causal_lm" and config.model.backbone.key_norm is True
 
 
 def test_window_sets_a_plain_lms_window_and_is_refused_for_a_model_without_one():
