@@ -259,6 +259,47 @@ def test_smollm2_as_llama_xl_copies_within_segment_and_cache_and_forgets_past_th
 
 
 @pytest.mark.slow
+def test_tiny_llama_xl_on_python_copies_and_predicts_through_its_cache_and_no_further(tmp_path):
+    """Finding 3's tiny Llama-XL (experiment=forgetting_llama_xl_python, segments of 64 + the previous one cached),
+    shortened to 1,500 steps, with and without its cache (window=): the cache lowers perplexity past one segment
+    and lets it copy from 64-128 tokens back, and the same weights through a window of segment + cache (no
+    recurrence) do as well. About 12 minutes on one core."""
+    run = tmp_path / "run"
+    train_in_subprocess(
+        "experiment=forgetting_llama_xl_python",
+        "trainer.max_steps=1500",
+        "~callbacks.forgetting_curve",
+        f"run_dir={run}",
+    )
+    ckpt = run / "checkpoints" / "last.ckpt"
+    common = [f"ckpt_path={ckpt}", "eval=[ppl_by_position,forgetting_curve]", "threads=1", "logger=csv"]
+    common += [
+        f"eval.ppl_by_position.{k}={v}" for k, v in (("max_len", 4096), ("min_len", 4096), ("max_docs", 8))
+    ]
+    common += [
+        f"eval.forgetting_curve.{k}={v}" for k, v in (("max_len", 256), ("n_lengths", 8), ("n_samples", 40))
+    ]
+    for window in (None, 64, 128):
+        evaluate(compose_eval(common + ([f"window={window}"] if window else [])))
+    folders = {
+        w: run / "checkpoints" / f"last.ckpt{f'.window{w}' if w else ''}.eval" for w in (None, 64, 128)
+    }
+
+    def ppl_past(folder, start=279):
+        result = PplByPositionResult.load_json(folder / "ppl_by_position" / "ppl_by_position.json")
+        past = [i for i, a in enumerate(result.edges[:-1]) if a >= start]
+        return np.exp(sum(result.nll_sum[i] for i in past) / sum(result.n_tokens[i] for i in past))
+
+    xl, no_cache, span = (ppl_past(folders[w]) for w in (None, 64, 128))
+    assert xl < 0.98 * no_cache, (xl, no_cache)  # the cache helps
+    assert abs(span - xl) < 0.01 * xl, (span, xl)  # nothing beyond segment + cache
+    _, gain = forgetting_curve_gains(folders[None])
+    _, gain_no_cache = forgetting_curve_gains(folders[64])
+    assert gain[64] > gain_no_cache[64] + 0.02, (gain, gain_no_cache)  # copies through the cache
+    assert all(abs(g) < 0.02 for length, g in gain.items() if length >= 160), gain  # and not past it
+
+
+@pytest.mark.slow
 def test_smollm2_fine_tuned_with_a_segment_cache_reads_it_better_than_untrained(tmp_path):
     """Finding 3's fine-tuned Llama-XL, shortened to 40 steps of experiment=forgetting_smollm2_xl: past segment +
     cache (positions 512-2,047 of 3 test speeches) its perplexity falls below the untrained SmolLM2-XL's.
