@@ -177,13 +177,18 @@ def process_alive(pid: int) -> bool:
 
 
 # ---- the watcher's done markers (callbacks/watch.py writes them) ------------------------------------------------
+def results_suffix(window: int | None = None) -> str:
+    """What follows a checkpoint's file name in the name of its results folder: `.eval`, or `.window<W>.eval`."""
+    return ".eval" if window is None else f".window{int(window)}.eval"
+
+
 def results_dir(ckpt: str | Path, window: int | None = None) -> Path:
     """Where a checkpoint's evaluation results go: `<ckpt>.eval/` beside it (for one kept in `unevaluated/`,
     beside the other checkpoints), or `<ckpt>.window<W>.eval/` when it is streamed through another window
     (evaluate.py window=W), so the two never overwrite each other."""
     ckpt = Path(ckpt)
     folder = ckpt.parent.parent if ckpt.parent.name == KEPT_DIR else ckpt.parent
-    return folder / (ckpt.name + ("" if window is None else f".window{int(window)}") + ".eval")
+    return folder / (ckpt.name + results_suffix(window))
 
 
 def file_identity(path: Path) -> dict[str, int]:

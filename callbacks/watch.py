@@ -36,6 +36,7 @@ from callbacks.checkpoint import (
     load_checkpoint,
     read_marker,
     results_dir,
+    results_suffix,
 )
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class Watcher:
         self.contents: dict[str, str] = {}  # state digest -> name of the checkpoint evaluated with it
         self.steps: set[tuple[str | None, int]] = set()  # (run id, global step) evaluated
         self.missed: set[tuple[str | None, int]] = set()  # reported once
-        suffix = results_dir("x.ckpt", window).name.removeprefix("x.ckpt")  # .eval or .window<W>.eval
+        suffix = results_suffix(window)
         for marker in sorted(self.ckpt_dir.glob(f"*.ckpt{suffix}/done.json")):  # also of files now gone
             done = json.loads(marker.read_text())
             if done.get("tag") == self.tag:
