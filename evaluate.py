@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from callbacks.babilong_eval import plot_accuracy_heatmap
-from callbacks.checkpoint import load_checkpoint, model_weights
+from callbacks.checkpoint import evaluated_checkpoint, load_checkpoint, model_weights
 from callbacks.comparison import EvaluatedModel, compare
 from callbacks.progress import track
 from callbacks.wandb_logger import build_wandb_logger
@@ -352,16 +352,6 @@ def with_window(config: DictConfig, window: int | None, path: str | Path) -> Dic
         )
     config.model.window, config.model.stride = int(window), None
     return config
-
-
-def evaluated_checkpoint(folder: Path) -> tuple[Path | None, int | None]:
-    """The checkpoint whose results `folder` holds and the window it was streamed through (`x.ckpt.eval`: None,
-    `x.ckpt.window<W>.eval`: W); (None, None) for an out_dir."""
-    name, ext, rest = folder.name.partition(".ckpt")
-    if not (ext and rest.endswith(".eval")):
-        return None, None
-    window = rest.removesuffix(".eval").removeprefix(".window")
-    return folder.with_name(name + ext), int(window) if window else None
 
 
 def run_dir_of(ckpt: str | Path) -> Path:

@@ -191,6 +191,16 @@ def results_dir(ckpt: str | Path, window: int | None = None) -> Path:
     return folder / (ckpt.name + results_suffix(window))
 
 
+def evaluated_checkpoint(folder: Path) -> tuple[Path | None, int | None]:
+    """The checkpoint whose results `folder` holds and the window it was streamed through (`x.ckpt.eval`: None,
+    `x.ckpt.window<W>.eval`: W), the inverse of `results_dir`; (None, None) for an out_dir."""
+    name, ext, rest = folder.name.partition(".ckpt")
+    if not (ext and rest.endswith(".eval")):
+        return None, None
+    window = rest.removesuffix(".eval").removeprefix(".window")
+    return folder.with_name(name + ext), int(window) if window else None
+
+
 def file_identity(path: Path) -> dict[str, int]:
     st = path.stat()
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}

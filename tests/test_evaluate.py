@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from test_faults import compose_train, tiny_overrides
 from torch import nn
 
+from callbacks.checkpoint import load_checkpoint
 from callbacks.fact_distance import distance_bucket as fact_distance_bucket
 from callbacks.fact_distance import fact_distance
 from data.corpus import Corpus, Document
@@ -25,6 +26,7 @@ from models.config_errors import ConfigError
 from models.lm import CausalLM
 from models.outputs import ModelOutput, scored_positions
 from models.rmt import RMT
+from models.run_config import checkpoint_config
 from train import train
 
 WORDS = "red green blue small large old new quiet loud bright".split()
@@ -207,7 +209,7 @@ def test_window_runs_a_llama_xl_checkpoint_without_its_cache(tmp_path):
     assert xl["edges"][:3] == [1, 17, 33]
     assert windowed["nll_sum"][:2] == pytest.approx(xl["nll_sum"][:2], rel=1e-6)  # positions 1-32
     assert all(abs(a - b) > 1e-4 for a, b in zip(xl["nll_sum"][2:], windowed["nll_sum"][2:], strict=True))
-    config = with_window(OmegaConf.create(torch.load(ckpt, weights_only=False)["config"]), 32, ckpt)
+    config = with_window(checkpoint_config(load_checkpoint(ckpt), ckpt), 32, ckpt)
     assert config.model._target_ == "models.lm.build_causal_lm" and config.model.backbone.key_norm is True
 
 
