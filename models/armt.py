@@ -66,6 +66,7 @@ class ARMT(RMT):
         d_mem: int = 32,
         nu: int = 3,
         rmt_tokens: bool = False,
+        use_denom: bool = True,
     ):
         if not isinstance(backbone, Llama):
             raise ConfigError(
@@ -81,7 +82,7 @@ class ARMT(RMT):
         self.rmt_tokens = rmt_tokens
         self.n_features = 2 * nu * d_mem
         self.layer_memories = nn.ModuleList(
-            LayerMemory(backbone.hidden_size, d_mem, nu) for _ in backbone.layers
+            LayerMemory(backbone.hidden_size, d_mem, nu, use_denom) for _ in backbone.layers
         ).to(self.memory.device)
 
     def empty_associative(self, batch_size: int) -> AssociativeMemory:
@@ -134,6 +135,7 @@ def build_armt(
     d_mem: int = 32,
     nu: int = 3,
     rmt_tokens: bool = False,
+    use_denom: bool = True,
 ) -> ARMT:
     """Hydra target of configs/model/armt.yaml: `hydra.utils.instantiate(cfg.model, backbone=backbone)`."""
-    return ARMT(backbone, num_memory, segment_size, k2, checkpoint_segments, d_mem, nu, rmt_tokens)
+    return ARMT(backbone, num_memory, segment_size, k2, checkpoint_segments, d_mem, nu, rmt_tokens, use_denom)

@@ -9,6 +9,7 @@ import ctypes
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,10 +100,24 @@ def load_backbone_init(backbone: torch.nn.Module, path: str, backbone_cfg: DictC
         ) from None
 
 
-def load_init_from(model: torch.nn.Module, path: str) -> None:
+def load_init_from(model: torch.nn.Module, path: str, model_cfg: DictConfig | None = None) -> None:
     """Start a new run from the task-model weights of a checkpoint (`init_from=<ckpt>`): step 0, this run's config
-    (curriculum, optimizer, steps); the model must be the same (type, shapes)."""
+    (curriculum, optimizer, steps); the model must be the same (type, shapes). Model options that differ from the
+    checkpoint's without changing a shape (ARMT's use_denom, k2, ...) are allowed, and named in a warning."""
     checkpoint = load_checkpoint(path)
+    saved_model = (checkpoint.get("config") or {}).get("model") or {}
+    changed = [
+        f"model.{k}={saved_model[k]} there, {v} here"
+        for k, v in (model_cfg or {}).items()
+        if k in saved_model and not isinstance(v, Mapping) and saved_model[k] != v
+    ]
+    if changed:
+        log.warning(
+            "init_from=%s was trained with other model options (%s): its weights load, but compute differently "
+            "here; give the same model.* options to continue that model.",
+            path,
+            "; ".join(changed),
+        )
     try:
         model.load_state_dict(model_weights(checkpoint, path))
     except RuntimeError as e:
@@ -187,7 +202,7 @@ def build_run(cfg: DictConfig) -> Run:
     init_from = None if cfg.get("ckpt_path") else cfg.get("init_from")  # a resume restores its own weights
     model = build_model(cfg, tokenizer, None if init_from else cfg.get("backbone_init"))
     if init_from:
-        load_init_from(model, init_from)
+        load_init_from(model, init_from, cfg.model)
     if cfg.get("compile"):
         model.backbone.compile()  # in place: module names, state dict and checkpoints stay as without it
     n_params = sum(p.numel() for p in model.parameters())

@@ -174,12 +174,15 @@ def test_refuses_hugging_face_backbones_and_bad_arguments():
         ARMT(tiny_backbone(), num_memory=2, segment_size=4, nu=0)
 
 
-def test_associative_memory_carries_a_fact_across_segments():
+@pytest.mark.parametrize("use_denom", [True, False])
+def test_associative_memory_carries_a_fact_across_segments(use_denom):
     """The fact sits in segment 1, the question in segment 2; in the paper's layout nothing but A, z passes between
-    segments, and ARMT learns the task (W_V starting at zero)."""
+    segments, and ARMT learns the task (W_V starting at zero), with the normaliser and without it."""
     torch.manual_seed(0)
     n_values, L = 8, 6
-    model = ARMT(tiny_backbone(vocab_size=2 * n_values + 1), num_memory=2, segment_size=L, d_mem=8)
+    model = ARMT(
+        tiny_backbone(vocab_size=2 * n_values + 1), num_memory=2, segment_size=L, d_mem=8, use_denom=use_denom
+    )
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
     for _ in range(300):  # seed 0 passes 0.9 after ~150 steps and is at 1.0 from 200 on
@@ -193,3 +196,47 @@ def test_associative_memory_carries_a_fact_across_segments():
     with torch.no_grad():
         out = model.eval()(batch)
     assert (out.logits.argmax(-1) == out.targets).float().mean() > 0.9
+
+
+def test_without_the_denominator_writes_are_the_delta_rule_applied_in_turn():
+    """use_denom=False: the closed form equals writing each memory token after the other (A <- A + beta phi (v -
+    A^T phi)^T), reads A^T phi(q), and a key re-written with beta = 1 reads its new value exactly however much it
+    overlaps the others (all DPFP features are >= 0, so keys always overlap)."""
+    gen = torch.Generator().manual_seed(2)
+    B, m, d, nu, D = 2, 5, 4, 2, 6
+    phi = unit_features(torch.randn(B, m, d, generator=gen), nu)
+    v, beta = torch.randn(B, m, D, generator=gen), torch.rand(B, m, 1, generator=gen)
+    A0, z0 = torch.randn(B, 2 * nu * d, D, generator=gen), torch.rand(B, 2 * nu * d, generator=gen)
+    A, z = delta_write(A0, z0, phi, v, beta, use_denom=False)
+    expected = A0
+    for i in range(m):
+        k = phi[:, i : i + 1]  # (B, 1, F)
+        expected = expected + k.transpose(1, 2) @ (beta[:, i : i + 1] * (v[:, i : i + 1] - k @ expected))
+    torch.testing.assert_close(A, expected)
+    torch.testing.assert_close(z, z0)
+    torch.testing.assert_close(read(A0, z0, phi, use_denom=False), phi @ A0)
+    A, _ = delta_write(A0, z0, phi, v, torch.ones(B, m, 1), use_denom=False)
+    torch.testing.assert_close(read(A, z0, phi[:, -1:], use_denom=False), v[:, -1:])
+
+
+def test_without_the_denominator_the_memory_stays_bounded_where_the_normalised_one_grows():
+    """300 segments each writing m = 8 near-identical keys (as a trained ARMT's write tokens tend to: the same
+    learned tokens, one segment) with beta = 1 and values of norm 1: the normalised parallel write (ARMT's) adds up
+    8 corrections of the same stored value and A grows by orders of magnitude; the delta rule applied in turn
+    keeps every read within the written values' scale."""
+    gen = torch.Generator().manual_seed(3)
+    m, d, nu, D = 8, 8, 3, 16
+    A = {True: torch.zeros(1, 2 * nu * d, D), False: torch.zeros(1, 2 * nu * d, D)}
+    z = {True: torch.zeros(1, 2 * nu * d), False: torch.zeros(1, 2 * nu * d)}
+    for _ in range(300):
+        phi = unit_features(
+            torch.randn(1, 1, d, generator=gen) + 0.1 * torch.randn(1, m, d, generator=gen), nu
+        )
+        v = F.normalize(torch.randn(1, m, D, generator=gen), dim=-1)
+        for use_denom in (True, False):
+            A[use_denom], z[use_denom] = delta_write(
+                A[use_denom], z[use_denom], phi, v, torch.ones(1, m, 1), use_denom
+            )
+    q = unit_features(torch.randn(1, 64, d, generator=gen), nu)
+    assert read(A[False], z[False], q, use_denom=False).norm(dim=-1).max() < 2
+    assert A[True].norm() > 1000 * A[False].norm()

@@ -31,6 +31,7 @@ MODELS = [
     pytest.param(RMTRetrieval, id="rmt_r"),
     pytest.param(active_armt, id="armt"),  # the paper's layout: [X_t; M], memory only in A, z
     pytest.param(partial(active_armt, rmt_tokens=True), id="armt_rmt_tokens"),
+    pytest.param(partial(active_armt, use_denom=False), id="armt_no_denom"),  # the delta rule applied in turn
 ]
 
 

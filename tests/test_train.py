@@ -67,7 +67,7 @@ def test_tiny_lm_learns_and_writes_checkpoints(tmp_path):
     assert ckpt["config"]["backbone"]["hidden_size"] == 32 and ckpt["global_step"] == 40
 
 
-def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path):
+def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path, caplog):
     first = tmp_path / "first"
     train(compose_train(TINY + ["trainer.max_steps=5", "trainer.val_check_interval=5", f"run_dir={first}"]))
     ckpt = first / "checkpoints" / "last.ckpt"
@@ -82,6 +82,9 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path):
         build_run(
             compose_train(TINY + [f"init_from={ckpt}", "backbone.ffn_size=48", f"run_dir={tmp_path / 'x'}"])
         )
+    assert "other model options" not in caplog.text
+    build_run(compose_train(TINY + [f"init_from={ckpt}", "model.stride=8", f"run_dir={tmp_path / 'y'}"]))
+    assert "other model options (model.stride=None there, 8 here)" in caplog.text  # same shapes, named
 
 
 def test_wandb_offline_run_holds_metrics_and_config(tmp_path, monkeypatch):
