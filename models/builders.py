@@ -9,7 +9,6 @@ import ctypes
 import logging
 import os
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from callbacks.checkpoint import AtomicCheckpointIO, load_checkpoint, model_weights
-from models.config_checks import MODEL_KEYS_FOR_OTHER_GROUPS, check_config
+from models.config_checks import MODEL_KEYS_FOR_OTHER_GROUPS, check_config, model_differences
 from models.config_errors import ConfigError, MissingFileError
 from models.errors import UserError
 from models.lit_module import LitModule
@@ -100,24 +99,12 @@ def load_backbone_init(backbone: torch.nn.Module, path: str, backbone_cfg: DictC
         ) from None
 
 
-def load_init_from(model: torch.nn.Module, path: str, model_cfg: DictConfig | None = None) -> None:
+def load_init_from(model: torch.nn.Module, path: str, config: dict | None = None) -> None:
     """Start a new run from the task-model weights of a checkpoint (`init_from=<ckpt>`): step 0, this run's config
-    (curriculum, optimizer, steps); the model must be the same (type, shapes). Model options that differ from the
-    checkpoint's without changing a shape (ARMT's use_denom, k2, ...) are allowed, and named in a warning."""
+    (curriculum, optimizer, steps); the model must be the same (type, shapes). With `config` (this run's, resolved),
+    backbone / model options that differ from the checkpoint's without changing a shape (ARMT's use_denom, alibi,
+    ...) are named in a warning: the weights load, but compute differently."""
     checkpoint = load_checkpoint(path)
-    saved_model = (checkpoint.get("config") or {}).get("model") or {}
-    changed = [
-        f"model.{k}={saved_model[k]} there, {v} here"
-        for k, v in (model_cfg or {}).items()
-        if k in saved_model and not isinstance(v, Mapping) and saved_model[k] != v
-    ]
-    if changed:
-        log.warning(
-            "init_from=%s was trained with other model options (%s): its weights load, but compute differently "
-            "here; give the same model.* options to continue that model.",
-            path,
-            "; ".join(changed),
-        )
     try:
         model.load_state_dict(model_weights(checkpoint, path))
     except RuntimeError as e:
@@ -126,6 +113,14 @@ def load_init_from(model: torch.nn.Module, path: str, model_cfg: DictConfig | No
             f"init_from={path} holds another model ({was}) than this run's {type(model).__name__} or other shapes: "
             f"give the same model= and backbone= options as that run.\n{e}"
         ) from None
+    differ = model_differences(checkpoint.get("config") or {}, config) if config is not None else []
+    if differ:
+        log.warning(
+            "init_from=%s was trained with other model options (%s): its weights load, but compute differently "
+            "here; give the same options to continue that model.",
+            path,
+            "; ".join(differ),
+        )
 
 
 def build_model(cfg: DictConfig, tokenizer, backbone_init: str | None = None) -> torch.nn.Module:
@@ -201,8 +196,11 @@ def build_run(cfg: DictConfig) -> Run:
     datamodule = instantiate(cfg.task, _partial_=True)(tokenizer=tokenizer, corpus=corpus)
     init_from = None if cfg.get("ckpt_path") else cfg.get("init_from")  # a resume restores its own weights
     model = build_model(cfg, tokenizer, None if init_from else cfg.get("backbone_init"))
+    resolved = OmegaConf.to_container(
+        cfg, resolve=True
+    )  # saved in every checkpoint, logged as hyperparameters
     if init_from:
-        load_init_from(model, init_from, cfg.model)
+        load_init_from(model, init_from, resolved)
     if cfg.get("compile"):
         model.backbone.compile()  # in place: module names, state dict and checkpoints stay as without it
     n_params = sum(p.numel() for p in model.parameters())
@@ -214,7 +212,7 @@ def build_run(cfg: DictConfig) -> Run:
         model,
         instantiate(cfg.loss),
         **cfg.optim,
-        config=OmegaConf.to_container(cfg, resolve=True),
+        config=resolved,
     )
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
     callbacks = build_callbacks(cfg, datamodule)
@@ -226,6 +224,6 @@ def build_run(cfg: DictConfig) -> Run:
         enable_progress_bar=any(isinstance(c, ProgressBar) for c in callbacks),
     )
     for lg in loggers:
-        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        lg.log_hyperparams(resolved)
     log.info("Run folder: %s", Path(cfg.run_dir).resolve())
     return Run(tokenizer, datamodule, module, trainer)

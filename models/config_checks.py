@@ -179,17 +179,22 @@ def check_checkpoint_fits(checkpoint: dict, state: dict[str, torch.Tensor], conf
         return
     was, now = checkpoint.get("config") or {}, config or {}
     refuse_other_model(was, now)
-    differ = [
+    raise ConfigError(
+        "This checkpoint's weights do not fit the model you asked for ("
+        + ("; ".join(model_differences(was, now)) or "other parameter names or shapes")
+        + "). Resume with the checkpoint's settings, or start a new run without ckpt_path."
+    )
+
+
+def model_differences(was: dict, now: dict) -> list[str]:
+    """The backbone.* and model.* options where a checkpoint's resolved run config `was` and this run's `now`
+    differ, as "group.key: a in the checkpoint, b now"."""
+    return [
         f"{group}.{k}: {a} in the checkpoint, {b} now"
         for group in ("backbone", "model")
         for k in sorted(set(was.get(group) or {}) | set(now.get(group) or {}))
         if (a := (was.get(group) or {}).get(k)) != (b := (now.get(group) or {}).get(k))
     ]
-    raise ConfigError(
-        "This checkpoint's weights do not fit the model you asked for ("
-        + ("; ".join(differ) or "other parameter names or shapes")
-        + "). Resume with the checkpoint's settings, or start a new run without ckpt_path."
-    )
 
 
 def refuse_other_model(was: dict, now: dict) -> None:

@@ -84,7 +84,9 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path, caplog)
         )
     assert "other model options" not in caplog.text
     build_run(compose_train(TINY + [f"init_from={ckpt}", "model.stride=8", f"run_dir={tmp_path / 'y'}"]))
-    assert "other model options (model.stride=None there, 8 here)" in caplog.text  # same shapes, named
+    assert (
+        "other model options (model.stride: None in the checkpoint, 8 now)" in caplog.text
+    )  # same shapes, named
 
 
 def test_wandb_offline_run_holds_metrics_and_config(tmp_path, monkeypatch):
