@@ -27,6 +27,8 @@ from models.errors import UserError
 from models.lit_module import LitModule
 
 log = logging.getLogger(__name__)
+# model options that change how a model trains (gradients, memory use), not what it computes
+TRAINING_ONLY_OPTIONS = ("model.k2", "model.checkpoint_segments")
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 
 
@@ -103,7 +105,8 @@ def load_init_from(model: torch.nn.Module, path: str, config: dict | None = None
     """Start a new run from the task-model weights of a checkpoint (`init_from=<ckpt>`): step 0, this run's config
     (curriculum, optimizer, steps); the model must be the same (type, shapes). With `config` (this run's, resolved),
     backbone / model options that differ from the checkpoint's without changing a shape (ARMT's use_denom, alibi,
-    ...) are named in a warning: the weights load, but compute differently."""
+    ...) are named in a warning: the weights load, but compute differently. Options of training alone (truncated
+    BPTT's k2, checkpointing) are not: a longer curriculum stage may well change them."""
     checkpoint = load_checkpoint(path)
     try:
         model.load_state_dict(model_weights(checkpoint, path))
@@ -113,7 +116,7 @@ def load_init_from(model: torch.nn.Module, path: str, config: dict | None = None
             f"init_from={path} holds another model ({was}) than this run's {type(model).__name__} or other shapes: "
             f"give the same model= and backbone= options as that run.\n{e}"
         ) from None
-    differ = model_differences(checkpoint.get("config") or {}, config) if config is not None else []
+    differ = model_differences(checkpoint.get("config") or {}, config or {}, ignore=TRAINING_ONLY_OPTIONS)
     if differ:
         log.warning(
             "init_from=%s was trained with other model options (%s): its weights load, but compute differently "

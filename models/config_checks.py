@@ -186,14 +186,15 @@ def check_checkpoint_fits(checkpoint: dict, state: dict[str, torch.Tensor], conf
     )
 
 
-def model_differences(was: dict, now: dict) -> list[str]:
-    """The backbone.* and model.* options where a checkpoint's resolved run config `was` and this run's `now`
-    differ, as "group.key: a in the checkpoint, b now"."""
+def model_differences(was: dict, now: dict, ignore: tuple[str, ...] = ()) -> list[str]:
+    """The backbone.* and model.* options (but the "group.key" names in `ignore`) where a checkpoint's resolved
+    run config `was` and this run's `now` differ, as "group.key: a in the checkpoint, b now"."""
     return [
         f"{group}.{k}: {a} in the checkpoint, {b} now"
         for group in ("backbone", "model")
         for k in sorted(set(was.get(group) or {}) | set(now.get(group) or {}))
         if (a := (was.get(group) or {}).get(k)) != (b := (now.get(group) or {}).get(k))
+        and f"{group}.{k}" not in ignore
     ]
 
 

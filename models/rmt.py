@@ -140,6 +140,20 @@ class RMT(nn.Module):
         """True where the memory entering segment `index` (0-based, of `n_segments`) is detached (k2, above)."""
         return self.k2 >= 0 and index > 0 and (n_segments - 1 - index) % (self.k2 + 1) == self.k2
 
+    def needs_graph(self, scored: Tensor, bounds: list[tuple[int, int]], recurrent: bool) -> list[bool]:
+        """Per segment: whether any loss reaches it. Where none does (no scored token in it or after it before the
+        next cut of truncated BPTT, or grad off) it runs without an autograd graph: an answer after 512 segments
+        with k2 = 31 keeps activations of, and back-propagates through, the last 32 only. scored (B, T) bool."""
+        if not torch.is_grad_enabled():
+            return [False] * len(bounds)
+        has_scored = scored.any(0).tolist()
+        graph, later = [False] * len(bounds), False  # later: a loss after segment i reaches back to it
+        for i in reversed(range(len(bounds))):
+            a, b = bounds[i]
+            graph[i] = any(has_scored[a:b]) or later
+            later = graph[i] and recurrent and not self.cuts_gradient(i, len(bounds))
+        return graph
+
     def start_state(self, batch: dict) -> MemoryState:
         """M_0, or in stream mode (a `reset` key in the batch) the carried state with reset rows restarted."""
         B = batch["input_ids"].shape[0]
@@ -165,13 +179,15 @@ class RMT(nn.Module):
         flat_index = torch.arange(B * T, device=input_ids.device).view(B, T)
         bounds = self.segment_bounds(T)
         state = self.start_state(batch)
+        graph = self.needs_graph(scored, bounds, recurrent)
         hiddens, keys = [], []
         for i, (a, b) in enumerate(bounds):
             if not recurrent:
                 state = self.initial_state(B)
             elif self.cuts_gradient(i, len(bounds)):
                 state = state.detach()
-            hidden, state = self._step(state, input_ids[:, a:b], None if mask is None else mask[:, a:b])
+            with torch.set_grad_enabled(graph[i]):
+                hidden, state = self._step(state, input_ids[:, a:b], None if mask is None else mask[:, a:b])
             hiddens.append(hidden[scored[:, a:b]])
             keys.append(flat_index[:, a:b][scored[:, a:b]])
         if recurrent and "reset" in batch:

@@ -144,6 +144,27 @@ def test_gradients_stop_exactly_at_depth_k2(cls, k2, checkpoint):
         assert (model.memory.grad is not None and bool(model.memory.grad.any())) == bool(m0_reaches)
 
 
+@pytest.mark.parametrize("cls", MODELS)
+@pytest.mark.parametrize(
+    "k2,answer_at,expected", [(1, 4, [3, 4]), (1, 2, [1, 2]), (0, 4, [4]), (-1, 2, [0, 1, 2])]
+)
+def test_segments_no_loss_reaches_run_without_a_graph(cls, k2, answer_at, expected):
+    """Only the segments from which the answer back-propagates keep activations (the gradients themselves are
+    test_gradients_stop_exactly_at_depth_k2's); the rest run as under no_grad, with the same outputs."""
+    torch.manual_seed(0)
+    n, L = 5, 3
+    model = cls(tiny_backbone(), num_memory=2, segment_size=L, k2=k2)
+    ids = torch.randint(0, V, (2, n * L))
+    labels = torch.full_like(ids, -100)
+    labels[:, answer_at * L + 1] = ids[:, answer_at * L + 1]
+    with_graph = []
+    model.backbone.register_forward_hook(lambda *_: with_graph.append(torch.is_grad_enabled()))
+    out = model({"input_ids": ids, "labels": labels})
+    assert [i for i, g in enumerate(with_graph) if g] == expected
+    with torch.no_grad():
+        torch.testing.assert_close(out.logits, model({"input_ids": ids, "labels": labels}).logits)
+
+
 def test_checkpointing_gives_the_same_gradients():
     torch.manual_seed(0)
     grads = []

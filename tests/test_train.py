@@ -14,7 +14,7 @@ from hydra import compose, initialize
 from hydra.utils import instantiate
 
 from callbacks.checkpoint import CorruptCheckpointError
-from models.builders import build_run, register_resolvers, set_threads
+from models.builders import build_run, load_init_from, register_resolvers, set_threads
 from models.config_errors import ConfigError
 from tests.wandb_reader import read_offline_run
 from train import train
@@ -87,6 +87,11 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path, caplog)
     assert (
         "other model options (model.stride: None in the checkpoint, 8 now)" in caplog.text
     )  # same shapes, named
+    caplog.clear()
+    now = torch.load(ckpt, weights_only=False)["config"]
+    now["model"] |= {"k2": 31, "checkpoint_segments": True}  # how it trains, not what it computes: no warning
+    load_init_from(run.module.model, str(ckpt), now)
+    assert "other model options" not in caplog.text
 
 
 def test_wandb_offline_run_holds_metrics_and_config(tmp_path, monkeypatch):
