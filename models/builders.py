@@ -199,9 +199,8 @@ def build_run(cfg: DictConfig) -> Run:
     datamodule = instantiate(cfg.task, _partial_=True)(tokenizer=tokenizer, corpus=corpus)
     init_from = None if cfg.get("ckpt_path") else cfg.get("init_from")  # a resume restores its own weights
     model = build_model(cfg, tokenizer, None if init_from else cfg.get("backbone_init"))
-    resolved = OmegaConf.to_container(
-        cfg, resolve=True
-    )  # saved in every checkpoint, logged as hyperparameters
+    # the resolved config: checked against init_from's, saved in every checkpoint, logged as hyperparameters
+    resolved = OmegaConf.to_container(cfg, resolve=True)
     if init_from:
         load_init_from(model, init_from, resolved)
     if cfg.get("compile"):

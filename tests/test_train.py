@@ -72,7 +72,8 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path, caplog)
     train(compose_train(TINY + ["trainer.max_steps=5", "trainer.val_check_interval=5", f"run_dir={first}"]))
     ckpt = first / "checkpoints" / "last.ckpt"
     run = build_run(compose_train(TINY + [f"init_from={ckpt}", f"run_dir={tmp_path / 'second'}"]))
-    saved = torch.load(ckpt, weights_only=True)["state_dict"]
+    checkpoint = torch.load(ckpt, weights_only=True)
+    saved = checkpoint["state_dict"]
     state = run.module.model.state_dict()
     assert state.keys() == {k.removeprefix("model.") for k in saved}
     assert all(
@@ -88,7 +89,7 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path, caplog)
         "other model options (model.stride: None in the checkpoint, 8 now)" in caplog.text
     )  # same shapes, named
     caplog.clear()
-    now = torch.load(ckpt, weights_only=False)["config"]
+    now = checkpoint["config"]
     now["model"] |= {"k2": 31, "checkpoint_segments": True}  # how it trains, not what it computes: no warning
     load_init_from(run.module.model, str(ckpt), now)
     assert "other model options" not in caplog.text
