@@ -52,6 +52,7 @@ from data.babilong import (
 from data.corpus import Corpus
 from data.sentences import SentenceStore, tokenize_sentences
 from data.tokenizer import Tokenizer
+from data.workers import release_freed_memory
 from models.config_errors import ConfigError
 
 RMT_SCHEDULE = (1, 2, 4, 6, 8, 16, 32)
@@ -323,7 +324,13 @@ class BabilongDataModule(L.LightningDataModule):
             )
         rank, world = (t.global_rank, t.world_size) if t is not None else (0, 1)
         sampler = StageSampler(self, rank, world)
-        return DataLoader(self._train, batch_size=None, sampler=sampler, num_workers=self.num_workers)
+        return DataLoader(
+            self._train,
+            batch_size=None,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            worker_init_fn=release_freed_memory,
+        )
 
     # ---- evaluation -----------------------------------------------------------------------------------
     @property
@@ -341,7 +348,11 @@ class BabilongDataModule(L.LightningDataModule):
         pad, loss = self.tokenizer.pad_id, self.context_loss
         fn = partial(collate, pad_id=pad, context_loss=loss, task=self.task, **meta)
         return DataLoader(
-            dataset, batch_size=self.eval_batch_size, collate_fn=fn, num_workers=self.num_workers
+            dataset,
+            batch_size=self.eval_batch_size,
+            collate_fn=fn,
+            num_workers=self.num_workers,
+            worker_init_fn=release_freed_memory,
         )
 
     def _generated(self, split: str, n: int, length: int | None = None, segments: int | None = None):

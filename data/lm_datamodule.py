@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from data.corpus import Corpus, TokenizedSplit, tokenize_corpus
 from data.tokenizer import Tokenizer
+from data.workers import release_freed_memory
 from models.config_errors import ConfigError
 
 
@@ -217,7 +218,13 @@ class LMDataModule(L.LightningDataModule):
         return trainer.global_step * trainer.accumulate_grad_batches if trainer is not None else 0
 
     def _loader(self, dataset) -> DataLoader:
-        return DataLoader(dataset, batch_size=None, num_workers=self.num_workers, persistent_workers=False)
+        return DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=self.num_workers,
+            persistent_workers=False,
+            worker_init_fn=release_freed_memory,
+        )
 
     def train_dataloader(self) -> DataLoader:
         t = self.trainer

@@ -5,6 +5,7 @@ exact continuation after resuming from a checkpoint, and every task/curriculum c
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 
 import lightning as L
@@ -18,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from data.babilong import TASKS
 from data.curriculum import BabilongDataModule, CurriculumCallback, StageSampler, draw_segments
 from data.tokenizer import build_tokenizer
+from models.builders import keep_freed_memory
 from models.config_errors import ConfigError
 from tests.test_babilong import tiny_corpus
 
@@ -123,6 +125,37 @@ def test_loader_gives_the_same_distinct_batches_with_and_without_workers(tok, ca
     assert streams[0] == streams[1]
     assert len(set(streams[0])) == 8
     assert streams[0][5] == fingerprint(make_dm(tok, cache).batch(1, 5))
+
+
+class WorkerRSS(torch.utils.data.Dataset):
+    """One item: the resident memory (bytes) of the process that makes it."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def worker_rss(worker_init_fn) -> int:
+    loader = torch.utils.data.DataLoader(
+        WorkerRSS(), batch_size=None, num_workers=1, worker_init_fn=worker_init_fn
+    )
+    return next(iter(loader))
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/statm").exists() or not keep_freed_memory(), reason="Linux with glibc"
+)
+def test_loader_workers_do_not_hold_the_parents_freed_memory(tok, cache):
+    """A forked worker shares the parent's freed-but-kept heap (keep_freed_memory); the datamodule's workers give
+    it back, else a long stage's run holds its peak twice (two 2,048-segment runs side by side ran out of memory)."""
+    dm = make_dm(tok, cache, num_workers=1)
+    x = torch.ones(128 << 20)  # 512 MB, freed into the parent's heap, which keeps it
+    del x
+    plain = worker_rss(None)
+    for loader in (dm.train_dataloader(), *dm.val_dataloader()):
+        assert plain - worker_rss(loader.worker_init_fn) > 400 << 20
 
 
 def test_new_stage_starts_at_the_next_drawn_batch_and_replays_after_restore(tok, cache):
