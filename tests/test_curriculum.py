@@ -144,12 +144,11 @@ def worker_rss(worker_init_fn) -> int:
     return next(iter(loader))
 
 
-@pytest.mark.skipif(
-    not Path("/proc/self/statm").exists() or not keep_freed_memory(), reason="Linux with glibc"
-)
 def test_loader_workers_do_not_hold_the_parents_freed_memory(tok, cache):
     """A forked worker shares the parent's freed-but-kept heap (keep_freed_memory); the datamodule's workers give
     it back, else a long stage's run holds its peak twice (two 2,048-segment runs side by side ran out of memory)."""
+    if not Path("/proc/self/statm").exists() or not keep_freed_memory():
+        pytest.skip("needs Linux with glibc")
     dm = make_dm(tok, cache, num_workers=1)
     x = torch.ones(128 << 20)  # 512 MB, freed into the parent's heap, which keeps it
     del x
