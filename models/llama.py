@@ -237,17 +237,17 @@ class Llama(nn.Module):
         """input_ids (B, T) or inputs_embeds (B, T, D) -> hidden (B, T, D).
 
         attention_mask: (B, T) 0/1 padding mask (combined with causal masking) or (B, 1, Tq, Tk) bool.
-        position_ids: (B, T); default cumsum(mask) - 1, i.e. padding does not shift positions.
+        position_ids: (B|1, T); default cumsum(mask) - 1, i.e. padding does not shift positions, or 0..T-1.
         kv_cache: per-layer hook prepending cached keys/values; positions then follow the cache (see KVCacheHook).
         residual_hook: called at each layer boundary with the residual stream, returns it (see ResidualHook).
         """
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        B, T, _ = x.shape
+        T = x.shape[1]
         if position_ids is None:
             if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] == T:
                 position_ids = padding_position_ids(attention_mask)
             else:
-                position_ids = torch.arange(T, device=x.device).expand(B, -1)
+                position_ids = torch.arange(T, device=x.device)[None]  # (1, T): shared by the rows
         masks: dict[int, Tensor | None] = {}
         ropes: dict[int, tuple[Tensor, Tensor]] = {}
 

@@ -111,7 +111,8 @@ class RMT(nn.Module):
         x = torch.cat(parts, 1)  # (B, r + L [+ m], D)
         r, L = read.shape[1], input_ids.shape[1]
         if mask is None or bool(mask.all()):
-            attention_mask, positions = None, torch.arange(x.shape[1], device=x.device).expand(len(x), -1)
+            # (1, T): one row for all, so RoPE and an ALiBi bias are built once, not once per row
+            attention_mask, positions = None, torch.arange(x.shape[1], device=x.device)[None]
         else:
             memory_mask = [mask.new_ones(len(x), self.num_memory)] if write else []
             attention_mask = torch.cat([mask.new_ones(len(x), r), mask, *memory_mask], 1)

@@ -81,6 +81,21 @@ def test_alibi_attention_equals_a_hand_written_softmax_with_the_linear_bias():
     torch.testing.assert_close(attn(x, seen["rope_for"], seen["mask_for"], None, 0), expected)
 
 
+def test_unpadded_rows_share_one_alibi_bias():
+    """Without padding the bias is built once, (1, H, T, T), not per row (the cost of a batch of 8-32 rows at eval),
+    and the rows come out as with every row's positions given."""
+    torch.manual_seed(0)
+    model = Llama(tiny_cfg(alibi=True)).eval()
+    ids, T = torch.randint(0, 97, (3, 11)), 11
+    seen = {}
+    model.layers[0].self_attn.register_forward_pre_hook(lambda module, args: seen.update(mask=args[2](T)))
+    shared = model(ids)
+    assert seen["mask"].shape == (1, model.cfg.n_heads, T, T)
+    per_row = model(ids, position_ids=torch.arange(T).repeat(3, 1))
+    assert seen["mask"].shape == (3, model.cfg.n_heads, T, T)
+    torch.testing.assert_close(shared, per_row, atol=0, rtol=0)
+
+
 def test_alibi_keeps_left_padding_invariance_and_refuses_hf_export():
     torch.manual_seed(0)
     model = Llama(tiny_cfg(alibi=True)).eval()
