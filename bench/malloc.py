@@ -1,4 +1,4 @@
-"""The CPU training step of the tiny LM before and after `models.builders.keep_freed_memory` (glibc `mallopt`).
+"""The CPU training step of the tiny LM before and after `data.heap.keep_freed_memory` (glibc `mallopt`).
 
 By default glibc hands every freed block over 32 MB back to the kernel, and the next step page-faults it back in;
 the tiny LM's step (experiment=tiny_lm shapes: 16 x 256 tokens, vocabulary 32000, so 524 MB of logits and as much
@@ -16,9 +16,9 @@ import time
 import torch
 
 from bench.longce import step_fn
+from data.heap import keep_freed_memory
 from losses.ce import CrossEntropy
 from models.backbone import build_llama
-from models.builders import keep_freed_memory
 from models.lm import CausalLM
 
 

@@ -50,9 +50,9 @@ from data.babilong import (
     make_sample,
 )
 from data.corpus import Corpus
+from data.heap import release_freed_memory
 from data.sentences import SentenceStore, tokenize_sentences
 from data.tokenizer import Tokenizer
-from data.workers import release_freed_memory
 from models.config_errors import ConfigError
 
 RMT_SCHEDULE = (1, 2, 4, 6, 8, 16, 32)

@@ -19,8 +19,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from data.corpus import Corpus, TokenizedSplit, tokenize_corpus
+from data.heap import release_freed_memory
 from data.tokenizer import Tokenizer
-from data.workers import release_freed_memory
 from models.config_errors import ConfigError
 
 

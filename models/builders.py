@@ -5,7 +5,6 @@ Shared by train.py and evaluate.py; classes never see the config, only the flat 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import sys
@@ -21,6 +20,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from callbacks.checkpoint import AtomicCheckpointIO, load_checkpoint, model_weights
+from data.heap import keep_freed_memory
 from models.config_checks import MODEL_KEYS_FOR_OTHER_GROUPS, check_config, model_differences
 from models.config_errors import ConfigError, MissingFileError
 from models.errors import UserError
@@ -29,7 +29,6 @@ from models.lit_module import LitModule
 log = logging.getLogger(__name__)
 # model options that change how a model trains (gradients, memory use), not what it computes
 TRAINING_ONLY_OPTIONS = ("model.k2", "model.checkpoint_segments")
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 
 
 def instantiate(cfg, *args, **kwargs):
@@ -148,19 +147,6 @@ def set_threads(threads: int | None, model: torch.nn.Module, cuda: bool) -> None
     n_params = sum(p.numel() for p in model.parameters())
     torch.set_num_threads(threads or (1 if n_params < 20_000_000 else os.cpu_count()))
     keep_freed_memory()
-
-
-def keep_freed_memory() -> bool:
-    """Let glibc keep freed blocks for reuse instead of handing every block over 32 MB back to the kernel.
-
-    A CPU step allocates and frees the same big buffers each time (a 16 x 256 x 32000 logits tensor is 524 MB); by
-    default each is unmapped when freed and page-faulted back in on the next step, so that about half of the tiny
-    LM's step was system time (bench.malloc: 1.7x). Returns False where the C library has no `mallopt` (not glibc)."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (AttributeError, OSError):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, 1 << 30) and mallopt(_M_TRIM_THRESHOLD, 1 << 31))
 
 
 @dataclass

@@ -18,8 +18,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from data.babilong import TASKS
 from data.curriculum import BabilongDataModule, CurriculumCallback, StageSampler, draw_segments
+from data.heap import keep_freed_memory
 from data.tokenizer import build_tokenizer
-from models.builders import keep_freed_memory
 from models.config_errors import ConfigError
 from tests.test_babilong import tiny_corpus
 
