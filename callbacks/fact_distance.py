@@ -5,6 +5,9 @@ only through memory. A test sample's distance d is the number of memory transiti
 (bAbI's `supporting`) has to survive: 0 when it ends in the question's segment, d when it ends d segments before.
 Accuracy by d, with the memory carried and reset every segment, separates the two ways a long sample is lost:
 misreading a segment (d = 0 is already low) and forgetting (accuracy falls with d while the reset stays at chance).
+The same samples are also grouped by how many story facts come after the last supporting one (0: the answer's fact
+is the story's last, where "answer from the latest fact" is right too): a memory that keeps only what was written
+last is right at 0 and at chance after it, however few segments back the fact lies.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ def distance_bucket(d: int) -> int:
     return 0 if d == 0 else 1 << (d.bit_length() - 1)
 
 
-def supporting_distances(dataset, model: nn.Module) -> list[int]:
-    """Distance d (above) of every sample of a generated BABILong test set (a `HaystackSet`)."""
+def supporting_distances(dataset, model: nn.Module) -> list[tuple[int, int]]:
+    """(d, facts after) of every sample of a generated BABILong test set (a `HaystackSet`): d as above, and the
+    number of story facts after its last supporting fact."""
     out = []
     for i in range(len(dataset)):
         ends, n_segments = fact_segments_of(dataset, i, model)  # 1-based segment of each fact
-        out.append(n_segments - ends[min(dataset.tasks.supporting[dataset.indices[i]])])
+        supporting = dataset.tasks.supporting[dataset.indices[i]]
+        out.append((n_segments - ends[min(supporting)], len(ends) - 1 - max(supporting)))
     return out
 
 
@@ -52,9 +57,10 @@ def fact_distance(
     seed: int = 0,
     answer_prompt: str = "Answer:",
 ) -> dict[str, float]:
-    """Exact match of `n` test samples (the BABILong evaluator's, same seed) per length, by distance bucket, with
-    the memory carried and reset. Writes fact_distance.json and fact_distance.png; returns
-    `fact_distance/<task>/acc@<length>/d<bucket>` (memory carried) and `.../reset/d<bucket>`."""
+    """Exact match of `n` test samples (the BABILong evaluator's, same seed) per length, by distance bucket and by
+    facts-after bucket, with the memory carried and reset. Writes fact_distance.json and fact_distance.png; returns
+    `fact_distance/<task>/acc@<length>/d<bucket>` (memory carried), `.../reset/d<bucket>`, and the same with
+    `f<bucket>` for facts after."""
     from data.babilong import batch_to, length_name
     from data.curriculum import BabilongDataModule
 
@@ -65,7 +71,8 @@ def fact_distance(
         )
     task = task or "qa1"
     device = next(model.parameters()).device
-    table: dict[str, dict] = {}  # length -> bucket -> {"carried": hits, "reset": hits}
+    # grouping ("d": segments back, "f": facts after) -> length -> bucket -> {"carried": hits, "reset": hits}
+    table: dict[str, dict[str, dict]] = {"d": {}, "f": {}}
     for length in lengths:
         data = BabilongDataModule(
             tokenizer,
@@ -78,8 +85,9 @@ def fact_distance(
             answer_prompt=answer_prompt,
         )
         dataset = data.test_set(length)
-        buckets = iter([distance_bucket(d) for d in supporting_distances(dataset, model)])
-        cells = table.setdefault(length_name(length), {})
+        buckets = iter(
+            [(distance_bucket(d), distance_bucket(f)) for d, f in supporting_distances(dataset, model)]
+        )
         for batch in track(
             data.eval_loader(dataset, length=length), f"fact distance {task} @ {length_name(length)}"
         ):
@@ -89,57 +97,68 @@ def fact_distance(
                 out = model(batch, recurrent=memory == "carried")
                 hits[memory] = exact_match(out.logits, out.targets, batch)
             for row in range(len(batch["input_ids"])):
-                cell = cells.setdefault(str(next(buckets)), {"carried": [], "reset": []})
-                for m, h in hits.items():
-                    cell[m].append(float(h[row]))
+                for grouping, bucket in zip("df", next(buckets), strict=True):
+                    cells = table[grouping].setdefault(length_name(length), {})
+                    cell = cells.setdefault(str(bucket), {"carried": [], "reset": []})
+                    for m, h in hits.items():
+                        cell[m].append(float(h[row]))
     summary = {
-        size: {
-            b: {m: [float(np.mean(v)), len(v)] for m, v in cell.items()}
-            for b, cell in sorted(row.items(), key=lambda kv: int(kv[0]))
+        grouping: {
+            size: {
+                b: {m: [float(np.mean(v)), len(v)] for m, v in cell.items()}
+                for b, cell in sorted(row.items(), key=lambda kv: int(kv[0]))
+            }
+            for size, row in by_length.items()
         }
-        for size, row in table.items()
+        for grouping, by_length in table.items()
     }
     (Path(out_dir) / "fact_distance.json").write_text(
-        json.dumps({"task": task, "seed": seed, "accuracy": summary}, indent=1)
+        json.dumps(
+            {"task": task, "seed": seed, "accuracy": summary["d"], "accuracy_by_facts_after": summary["f"]},
+            indent=1,
+        )
     )
     plot_fact_distance(summary, Path(out_dir) / "fact_distance.png", task)
     metrics = {}
-    for size, row in summary.items():
-        for b, cell in row.items():
-            metrics[f"fact_distance/{task}/acc@{size}/d{b}"] = cell["carried"][0]
-            metrics[f"fact_distance/{task}/acc@{size}/reset/d{b}"] = cell["reset"][0]
+    for grouping, by_length in summary.items():
+        for size, row in by_length.items():
+            for b, cell in row.items():
+                metrics[f"fact_distance/{task}/acc@{size}/{grouping}{b}"] = cell["carried"][0]
+                metrics[f"fact_distance/{task}/acc@{size}/reset/{grouping}{b}"] = cell["reset"][0]
     return metrics
 
 
+XLABELS = {
+    "d": "segments between the earliest supporting fact and the question",
+    "f": "story facts after the last supporting fact",
+}
+
+
 def plot_fact_distance(summary: dict, path: Path, task: str, min_samples: int = 10) -> None:
-    """Accuracy against distance (log2 axis), a colour per length: memory carried solid, reset dashed. Buckets of
-    fewer than `min_samples` samples stay out of the plot (not out of the JSON)."""
-    fig = Figure(figsize=(7, 4), layout="constrained")
+    """Accuracy against distance (log2 axis), segments back (left) and facts after (right), a colour per length:
+    memory carried solid, reset dashed. Buckets of fewer than `min_samples` samples stay out of the plot (not out of
+    the JSON)."""
+    fig = Figure(figsize=(12, 4.2), layout="constrained")
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for color, (size, row) in zip(
-        colormaps["viridis"](np.linspace(0, 0.85, len(summary))), summary.items(), strict=True
-    ):
-        x = [int(b) for b, cell in row.items() if cell["carried"][1] >= min_samples]
-        xs = [0.5 if b == 0 else b for b in x]  # d = 0 drawn left of 1 on the log axis
-        ax.plot(
-            xs, [row[str(b)]["carried"][0] for b in x], "o-", color=color, label=f"{size}: memory carried"
+    for ax, (grouping, by_length) in zip(fig.subplots(1, 2, sharey=True), summary.items(), strict=True):
+        for color, (size, row) in zip(
+            colormaps["viridis"](np.linspace(0, 0.85, len(by_length))), by_length.items(), strict=True
+        ):
+            x = [int(b) for b, cell in row.items() if cell["carried"][1] >= min_samples]
+            xs = [0.5 if b == 0 else b for b in x]  # 0 drawn left of 1 on the log axis
+            carried, reset = ([row[str(b)][m][0] for b in x] for m in ("carried", "reset"))
+            ax.plot(xs, carried, "o-", color=color, label=f"{size}: memory carried")
+            ax.plot(xs, reset, "x--", color=color, alpha=0.6, label=f"{size}: reset")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({b for line in ax.get_lines() for b in line.get_xdata()})
+        ticks = [0 if b == 0.5 else int(b) for b in ticks]
+        ax.set_xticks(
+            [0.5 if b == 0 else b for b in ticks], [str(b) if b < 2 else f"{b}-{2 * b - 1}" for b in ticks]
         )
-        ax.plot(
-            xs, [row[str(b)]["reset"][0] for b in x], "x--", color=color, alpha=0.6, label=f"{size}: reset"
-        )
-    ax.set_xscale("log", base=2)
-    ticks = sorted({b for line in ax.get_lines() for b in line.get_xdata()})
-    ticks = [0 if b == 0.5 else int(b) for b in ticks]
-    ax.set_xticks(
-        [0.5 if b == 0 else b for b in ticks], [str(b) if b < 2 else f"{b}-{2 * b - 1}" for b in ticks]
-    )
-    ax.set(
-        xlabel="segments between the earliest supporting fact and the question",
-        ylabel="exact match",
-        ylim=(0, 1.02),
-        title=f"BABILong {task}: accuracy by how far back the facts are\n(buckets of at least {min_samples} samples)",
-    )
+        ax.set(xlabel=XLABELS[grouping], ylabel="exact match", ylim=(0, 1.02))
+        ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
+    fig.suptitle(
+        f"BABILong {task}: accuracy by how far back the answer's facts are (buckets of >= {min_samples})"
+    )
     fig.savefig(path, dpi=120)

@@ -394,12 +394,14 @@ class EvenRowReader(Oracle):
 
 def test_fact_distance_buckets_each_sample_by_its_supporting_facts_segment(tmp_path, cache):
     """eval=[fact_distance]: each sample's distance is the number of segments between the segment where its
-    earliest supporting fact ends (brute-force search) and the question's; accuracy per bucket, carried and reset."""
+    earliest supporting fact ends (brute-force search) and the question's, and its facts after the number of story
+    facts after its last supporting one; accuracy per bucket of each, carried and reset."""
     tokenizer = build_tokenizer()
     model = EvenRowReader(tokenizer.vocab_size)
     data = BabilongDataModule(tokenizer, tiny_corpus(), task="qa2", n_test=12, eval_seed=0)
     dataset, pool = data.test_set(400), data.pool("test")
     expected: dict[str, list[float]] = {}
+    expected_after: dict[str, list[float]] = {}
     for i in range(len(dataset)):
         ids, k = dataset[i].input_ids, dataset.indices[i]
         fact = pool.facts[k][min(pool.supporting[k])]
@@ -407,13 +409,21 @@ def test_fact_distance_buckets_each_sample_by_its_supporting_facts_segment(tmp_p
         # whole segments from the fact's last token to the end, split from the right
         d = (len(ids) - end) // 64
         expected.setdefault(str(fact_distance_bucket(d)), []).append(float(i % 2 == 0))
+        after = len(pool.facts[k]) - 1 - max(pool.supporting[k])
+        expected_after.setdefault(str(fact_distance_bucket(after)), []).append(float(i % 2 == 0))
     metrics = fact_distance(
         model, tokenizer, tiny_corpus(), tmp_path, task="qa2", lengths=(400,), n=12, batch_size=5
     )
-    saved = json.loads((tmp_path / "fact_distance.json").read_text())["accuracy"]["400"]
-    assert {b: (c["carried"][0], c["carried"][1], c["reset"][0]) for b, c in saved.items()} == {
-        b: (np.mean(v), len(v), 0.0) for b, v in expected.items()
-    }
+    saved = json.loads((tmp_path / "fact_distance.json").read_text())
+    for key, want in (("accuracy", expected), ("accuracy_by_facts_after", expected_after)):
+        got = saved[key]["400"]
+        assert {b: (c["carried"][0], c["carried"][1], c["reset"][0]) for b, c in got.items()} == {
+            b: (np.mean(v), len(v), 0.0) for b, v in want.items()
+        }
+    assert (
+        len(expected_after) > 1 and metrics[f"fact_distance/qa2/acc@400/reset/f{min(expected_after)}"] == 0.0
+    )
+    saved = saved["accuracy"]["400"]
     assert (
         len(expected) > 1
         and metrics[f"fact_distance/qa2/acc@400/d{next(iter(saved))}"]
