@@ -16,6 +16,7 @@ from torch import nn
 from callbacks.checkpoint import load_checkpoint
 from callbacks.fact_distance import distance_bucket as fact_distance_bucket
 from callbacks.fact_distance import fact_distance
+from callbacks.wrong_answers import KINDS, answer_kind, wrong_answers
 from data.corpus import Corpus, Document
 from data.curriculum import BabilongDataModule
 from data.tokenizer import build_tokenizer
@@ -433,3 +434,40 @@ def test_fact_distance_buckets_each_sample_by_its_supporting_facts_segment(tmp_p
     assert [fact_distance_bucket(d) for d in (0, 1, 2, 3, 4, 7, 8, 100)] == [0, 1, 2, 2, 4, 4, 8, 64]
     with pytest.raises(ConfigError, match="has no segments"):
         fact_distance(Oracle(tokenizer.vocab_size), tokenizer, tiny_corpus(), tmp_path)
+
+
+def test_wrong_answers_names_what_each_qa1_answer_points_at(tmp_path, cache):
+    """eval=[wrong_answers]: a wrong qa1 answer is another person's current location, an earlier location of the
+    story, or none of the story's; right answers are counted per memory setting (carried / reset), shares sum to 1."""
+    story = ["Mary moved to the garden.", "John went to the office.", "Mary journeyed to the kitchen."]
+    assert [answer_kind(story, 2, "kitchen", p) for p in ("kitchen", "office", "garden", "hallway", "")] == [
+        "right",
+        "other_person",
+        "earlier",
+        "not_in_story",
+        "not_in_story",
+    ]
+    # the asked person's own earlier location is stale, not another person's
+    assert (
+        answer_kind(["John went to the office.", "John went to the hallway."], 1, "hallway", "office")
+        == "earlier"
+    )
+    tokenizer = build_tokenizer()
+    metrics = wrong_answers(
+        EvenRowReader(tokenizer.vocab_size),
+        tokenizer,
+        tiny_corpus(),
+        tmp_path,
+        lengths=(400,),
+        n=12,
+        batch_size=5,
+    )
+    share = json.loads((tmp_path / "wrong_answers.json").read_text())["share"]["400"]
+    assert share["carried"]["right"] == 0.5 and share["reset"]["right"] == 0.0 and share["reset"]["n"] == 12
+    assert all(abs(sum(s[k] for k in KINDS) - 1) < 1e-9 for s in share.values())
+    assert metrics["wrong_answers/400/carried/right"] == 0.5
+    assert (tmp_path / "wrong_answers.png").stat().st_size > 0
+    oracle = wrong_answers(
+        Oracle(tokenizer.vocab_size), tokenizer, tiny_corpus(), tmp_path, lengths=(400,), n=12
+    )
+    assert oracle["wrong_answers/400/carried/right"] == 1.0 and not any("reset" in k for k in oracle)
