@@ -30,13 +30,18 @@ KINDS = {  # key: label
 }
 
 
+def current_locations(facts: list[str]) -> dict[str, str]:
+    """Each person's latest location in a qa1 story ("Mary moved to the garden.": later facts overwrite earlier)."""
+    return {w[0]: w[-1] for w in (f.rstrip(". ").split() for f in facts)}
+
+
 def answer_kind(facts: list[str], supporting: int, answer: str, predicted: str) -> str:
     """The KINDS key of a qa1 sample: its story `facts` ("Mary moved to the garden."), the index of its supporting
     fact, the right answer and the predicted one."""
     if predicted == answer:
         return "right"
     words = [f.rstrip(". ").split() for f in facts]
-    now = {w[0]: w[-1] for w in words}  # each person's latest location (later facts overwrite earlier ones)
+    now = current_locations(facts)
     asked = words[supporting][0]
     if predicted in {loc for person, loc in now.items() if person != asked}:
         return "other_person"
@@ -72,8 +77,10 @@ def wrong_answers(
     answer_prompt: str = "Answer:",
 ) -> dict[str, float]:
     """Share of each answer kind among `n` qa1 test samples (the BABILong evaluator's, same seed) per length, memory
-    carried and reset. Writes wrong_answers.json and wrong_answers.png; returns
-    `wrong_answers/<length>/<memory>/<kind>` (KINDS keys)."""
+    carried and reset, and `random_person`: the accuracy of answering with a random person's current location (what
+    a model that kept the story's state but not who is where would score). Writes wrong_answers.json and
+    wrong_answers.png (random_person as a black line); returns `wrong_answers/<length>/<memory>/<kind>` (KINDS
+    keys) and `wrong_answers/<length>/random_person`."""
     from data.babilong import batch_to, length_name
     from data.curriculum import BabilongDataModule
 
@@ -82,6 +89,7 @@ def wrong_answers(
     device = next(model.parameters()).device
     memories = ("carried", "reset") if hasattr(model, "segment_bounds") else ("carried",)
     table: dict[str, dict[str, Counter]] = {}
+    random_person: dict[str, list[float]] = {}
     for length in lengths:
         data = BabilongDataModule(
             tokenizer,
@@ -96,6 +104,7 @@ def wrong_answers(
         dataset = data.test_set(length)
         tasks, samples = dataset.tasks, iter(dataset.indices)
         cells = table[length_name(length)] = {m: Counter() for m in memories}
+        chance = random_person[length_name(length)] = []
         for batch in track(
             data.eval_loader(dataset, length=length), f"wrong answers qa1 @ {length_name(length)}"
         ):
@@ -108,6 +117,7 @@ def wrong_answers(
                 k = int(next(samples))
                 facts = [tokenizer.decode(f.tolist()) for f in tasks.facts[k]]
                 answer = tokenizer.decode(tasks.answer[k].tolist()).strip()
+                chance.append(float(np.mean([loc == answer for loc in current_locations(facts).values()])))
                 for memory, words in predicted.items():
                     cells[memory][answer_kind(facts, tasks.supporting[k][0], answer, words[row])] += 1
     summary = {
@@ -117,20 +127,24 @@ def wrong_answers(
         }
         for size, row in table.items()
     }
-    (Path(out_dir) / "wrong_answers.json").write_text(json.dumps({"seed": seed, "share": summary}, indent=1))
-    plot_wrong_answers(summary, Path(out_dir) / "wrong_answers.png")
-    return {
-        f"wrong_answers/{size}/{m}/{kind}": share[kind]
-        for size, row in summary.items()
-        for m, share in row.items()
-        for kind in KINDS
-    }
+    chance = {size: float(np.mean(v)) for size, v in random_person.items()}
+    (Path(out_dir) / "wrong_answers.json").write_text(
+        json.dumps({"seed": seed, "share": summary, "random_person": chance}, indent=1)
+    )
+    plot_wrong_answers(summary, chance, Path(out_dir) / "wrong_answers.png")
+    metrics = {f"wrong_answers/{size}/random_person": c for size, c in chance.items()}
+    for size, row in summary.items():
+        for m, share in row.items():
+            metrics |= {f"wrong_answers/{size}/{m}/{kind}": share[kind] for kind in KINDS}
+    return metrics
 
 
-def plot_wrong_answers(summary: dict, path: Path) -> None:
-    """One stacked bar per length and memory setting: the share of each answer kind."""
+def plot_wrong_answers(summary: dict, random_person: dict, path: Path) -> None:
+    """One stacked bar per length and memory setting: the share of each answer kind; a black line at the accuracy
+    of a random person's current location."""
     bars = [(f"{size}\n{m}", share) for size, row in summary.items() for m, share in row.items()]
-    fig = Figure(figsize=(1.2 + 0.9 * len(bars), 4), layout="constrained")
+    chance = [random_person[size] for size, row in summary.items() for _ in row]
+    fig = Figure(figsize=(3.8 + 0.8 * len(bars), 4), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     bottom = np.zeros(len(bars))
@@ -140,6 +154,13 @@ def plot_wrong_answers(summary: dict, path: Path) -> None:
         heights = np.array([share[kind] for _, share in bars])
         ax.bar(range(len(bars)), heights, bottom=bottom, color=color, label=label)
         bottom += heights
+    ax.hlines(
+        chance,
+        np.arange(len(bars)) - 0.4,
+        np.arange(len(bars)) + 0.4,
+        color="k",
+        label="random person's location",
+    )
     ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
     ax.set(ylabel="share of answers", ylim=(0, 1), title="BABILong qa1: what the answers name")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))

@@ -3,6 +3,7 @@ next to the checkpoint (W&B: the training run itself), export=hf gives a folder 
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -466,6 +467,17 @@ def test_wrong_answers_names_what_each_qa1_answer_points_at(tmp_path, cache):
     assert share["carried"]["right"] == 0.5 and share["reset"]["right"] == 0.0 and share["reset"]["n"] == 12
     assert all(abs(sum(s[k] for k in KINDS) - 1) < 1e-9 for s in share.values())
     assert metrics["wrong_answers/400/carried/right"] == 0.5
+    # random_person: the accuracy of a random person's current location, here from the stories' text by a regex
+    data = BabilongDataModule(tokenizer, tiny_corpus(), task="qa1", n_test=12, eval_seed=0)
+    dataset, chance = data.test_set(400), []
+    for k in dataset.indices:
+        story = " ".join(tokenizer.decode(f.tolist()) for f in dataset.tasks.facts[k])
+        now = dict(re.findall(r"(\w+) \w+(?: back)? to the (\w+)\.", story))  # later facts overwrite earlier
+        answer = tokenizer.decode(dataset.tasks.answer[k].tolist()).strip()
+        chance.append(np.mean([loc == answer for loc in now.values()]))
+    assert 0 < np.mean(chance) < 1 and metrics["wrong_answers/400/random_person"] == pytest.approx(
+        np.mean(chance)
+    )
     assert (tmp_path / "wrong_answers.png").stat().st_size > 0
     oracle = wrong_answers(
         Oracle(tokenizer.vocab_size), tokenizer, tiny_corpus(), tmp_path, lengths=(400,), n=12
