@@ -44,6 +44,38 @@ def supporting_distances(dataset, model: nn.Module) -> list[tuple[int, int]]:
     return out
 
 
+def test_batches(
+    tokenizer,
+    corpus,
+    task: str,
+    length: int,
+    n: int,
+    batch_size: int,
+    seed: int,
+    answer_prompt: str,
+    device,
+    name: str,
+):
+    """The BABILong evaluator's first `n` test samples of `task` at `length` tokens (same seed): the `HaystackSet`,
+    and its batches on `device` in order, with a progress line `name`."""
+    from data.babilong import batch_to, length_name
+    from data.curriculum import BabilongDataModule
+
+    data = BabilongDataModule(
+        tokenizer,
+        corpus,
+        task=task,
+        n_test=n,
+        test_lengths=[length],
+        eval_batch_size=batch_size,
+        eval_seed=seed,
+        answer_prompt=answer_prompt,
+    )
+    dataset = data.test_set(length)
+    loader = track(data.eval_loader(dataset, length=length), f"{name} {task} @ {length_name(length)}")
+    return dataset, (batch_to(batch, device) for batch in loader)
+
+
 @torch.no_grad()
 def fact_distance(
     model: nn.Module,
@@ -61,8 +93,7 @@ def fact_distance(
     facts-after bucket, with the memory carried and reset. Writes fact_distance.json and fact_distance.png; returns
     `fact_distance/<task>/acc@<length>/d<bucket>` (memory carried), `.../reset/d<bucket>`, and the same with
     `f<bucket>` for facts after."""
-    from data.babilong import batch_to, length_name
-    from data.curriculum import BabilongDataModule
+    from data.babilong import length_name
 
     if not hasattr(model, "segment_bounds"):
         raise ConfigError(
@@ -74,24 +105,13 @@ def fact_distance(
     # grouping ("d": segments back, "f": facts after) -> length -> bucket -> {"carried": hits, "reset": hits}
     table: dict[str, dict[str, dict]] = {"d": {}, "f": {}}
     for length in lengths:
-        data = BabilongDataModule(
-            tokenizer,
-            corpus,
-            task=task,
-            n_test=n,
-            test_lengths=[length],
-            eval_batch_size=batch_size,
-            eval_seed=seed,
-            answer_prompt=answer_prompt,
+        dataset, batches = test_batches(
+            tokenizer, corpus, task, length, n, batch_size, seed, answer_prompt, device, "fact distance"
         )
-        dataset = data.test_set(length)
         buckets = iter(
             [(distance_bucket(d), distance_bucket(f)) for d, f in supporting_distances(dataset, model)]
         )
-        for batch in track(
-            data.eval_loader(dataset, length=length), f"fact distance {task} @ {length_name(length)}"
-        ):
-            batch = batch_to(batch, device)
+        for batch in batches:
             hits = {}
             for memory in ("carried", "reset"):
                 out = model(batch, recurrent=memory == "carried")

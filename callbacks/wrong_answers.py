@@ -18,7 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import nn
 
-from callbacks.progress import track
+from callbacks.fact_distance import test_batches
 from models.config_errors import ConfigError
 from models.lit_module import scored_positions
 
@@ -30,9 +30,14 @@ KINDS = {  # key: label
 }
 
 
+def moves(facts: list[str]) -> list[tuple[str, str]]:
+    """(person, location) of each fact of a qa1 story ("Mary moved to the garden.")."""
+    return [(w[0], w[-1]) for w in (f.rstrip(". ").split() for f in facts)]
+
+
 def current_locations(facts: list[str]) -> dict[str, str]:
-    """Each person's latest location in a qa1 story ("Mary moved to the garden.": later facts overwrite earlier)."""
-    return {w[0]: w[-1] for w in (f.rstrip(". ").split() for f in facts)}
+    """Each person's latest location in a qa1 story (later facts overwrite earlier ones)."""
+    return dict(moves(facts))
 
 
 def answer_kind(facts: list[str], supporting: int, answer: str, predicted: str) -> str:
@@ -40,12 +45,11 @@ def answer_kind(facts: list[str], supporting: int, answer: str, predicted: str) 
     fact, the right answer and the predicted one."""
     if predicted == answer:
         return "right"
-    words = [f.rstrip(". ").split() for f in facts]
-    now = current_locations(facts)
-    asked = words[supporting][0]
-    if predicted in {loc for person, loc in now.items() if person != asked}:
+    story = moves(facts)
+    asked = story[supporting][0]
+    if predicted in {loc for person, loc in dict(story).items() if person != asked}:
         return "other_person"
-    if predicted in {w[-1] for w in words}:
+    if predicted in {loc for _, loc in story}:
         return "earlier"
     return "not_in_story"
 
@@ -81,8 +85,7 @@ def wrong_answers(
     a model that kept the story's state but not who is where would score). Writes wrong_answers.json and
     wrong_answers.png (random_person as a black line); returns `wrong_answers/<length>/<memory>/<kind>` (KINDS
     keys) and `wrong_answers/<length>/random_person`."""
-    from data.babilong import batch_to, length_name
-    from data.curriculum import BabilongDataModule
+    from data.babilong import length_name
 
     if not lengths:
         raise ConfigError("eval.wrong_answers.lengths is empty; give context lengths in tokens, e.g. [4096].")
@@ -91,24 +94,13 @@ def wrong_answers(
     table: dict[str, dict[str, Counter]] = {}
     random_person: dict[str, list[float]] = {}
     for length in lengths:
-        data = BabilongDataModule(
-            tokenizer,
-            corpus,
-            task="qa1",
-            n_test=n,
-            test_lengths=[length],
-            eval_batch_size=batch_size,
-            eval_seed=seed,
-            answer_prompt=answer_prompt,
+        dataset, batches = test_batches(
+            tokenizer, corpus, "qa1", length, n, batch_size, seed, answer_prompt, device, "wrong answers"
         )
-        dataset = data.test_set(length)
         tasks, samples = dataset.tasks, iter(dataset.indices)
         cells = table[length_name(length)] = {m: Counter() for m in memories}
         chance = random_person[length_name(length)] = []
-        for batch in track(
-            data.eval_loader(dataset, length=length), f"wrong answers qa1 @ {length_name(length)}"
-        ):
-            batch = batch_to(batch, device)
+        for batch in batches:
             predicted = {}
             for memory in memories:
                 kwargs = {"recurrent": memory == "carried"} if len(memories) == 2 else {}
