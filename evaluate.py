@@ -44,7 +44,7 @@ from data.corpus import Corpus, tokenize_corpus
 from data.lm_datamodule import with_specials
 from data.tokenizer import Tokenizer
 from models import cli
-from models.builders import build_model, register_resolvers, set_threads
+from models.builders import auto_precision, build_model, register_resolvers, set_threads
 from models.config_checks import check_config
 from models.config_errors import ConfigError, MissingFileError
 from models.lit_module import exact_match
@@ -364,9 +364,22 @@ def select_device(device: str) -> torch.device:
     return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
 
 
-def autocast_context(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    """Lightning precision names: 'bf16-mixed' / '16-mixed' autocast; anything else ('32-true') full precision."""
-    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(precision))
+def autocast_context(
+    precision: str | None, device: torch.device, trained: DictConfig | None = None
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """The evaluation's autocast. `precision` in Lightning's names: 'bf16-mixed' / '16-mixed' autocast, '32-true' full
+    precision. Null: full precision where the checkpoint trained in it (its `trainer.precision`:
+    the tiny recipe's fp32 model is read in fp32 on a GPU too, as its validation was), else the device's own
+    (`auto_precision`: bf16-mixed on CUDA, fp32 on a CPU)."""
+    if precision is None:
+        trained_in = (
+            str(OmegaConf.select(trained, "trainer.precision", default="")) if trained is not None else ""
+        )
+        precision = "32-true" if trained_in.startswith(("32", "64")) else auto_precision(device.type)
+    dtypes = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": None, "32": None}
+    if str(precision) not in dtypes:
+        raise ConfigError(f"precision={precision} is not one of {', '.join(dtypes)} (or null: as trained)")
+    dtype = dtypes[str(precision)]
     if dtype is None:
         return contextlib.nullcontext
     return lambda: torch.autocast(device.type, dtype=dtype)
@@ -424,7 +437,6 @@ class CheckpointEvaluator:
     def __init__(self, cfg: DictConfig, run_dir: Path):
         self.cfg, self.run_dir = cfg, run_dir
         self.device = select_device(cfg.device)
-        self.context = autocast_context(cfg.precision, self.device)
         self.loggers: list[Logger] | None = None
         self._built_for: str | None = None
 
@@ -439,6 +451,7 @@ class CheckpointEvaluator:
             self.corpus = instantiate(self.cfg.get("corpus") or config.corpus)
             self._built_for = key
         self.model.load_state_dict(model_weights(checkpoint, path))
+        self.context = autocast_context(self.cfg.precision, self.device, config)
         if self.loggers is None:
             self.loggers = build_loggers(self.cfg, self.run_dir, config)
         step = int(checkpoint.get("global_step", 0))

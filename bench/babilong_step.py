@@ -2,8 +2,9 @@
 builds it (curriculum batches made by data workers, every callback, logging) against a hand-written torch loop over
 the same model and the same batches made beforehand (forward, the injected loss, backward, clipping, AdamW), one
 run, one thread. Also the cost of one validation (the recipe validates every `trainer.val_check_interval` steps).
+On CUDA (`--device cuda`) both run in bf16 autocast (Lightning's `bf16-mixed`).
 
-    python -m bench.babilong_step [--model rmt_r] [--segments 2] [--steps 60] [--workers 2]
+    python -m bench.babilong_step [--model rmt_r] [--segments 2] [--steps 60] [--workers 2] [--device cuda]
 
 Prints seconds per step of each, their ratio (target: Lightning / torch <= 1.2) and validation's share per step.
 """
@@ -17,7 +18,8 @@ import time
 import torch
 from hydra import compose, initialize_config_dir
 
-from bench.throughput import Timer
+from bench.throughput import Timer, sync
+from data.babilong import batch_to
 from models.builders import build_model, build_run, instantiate, register_resolvers
 from models.cli import CONFIGS
 
@@ -35,6 +37,7 @@ def compose_main_job(args, run_dir: str):
         "trainer.limit_val_batches=0",
         f"task.num_workers={args.workers}",
         "threads=1",
+        f"trainer.accelerator={'gpu' if args.device == 'cuda' else 'cpu'}",
         f"run_dir={run_dir}",
     ]
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
@@ -63,20 +66,29 @@ def torch_step(cfg, args) -> float:
     data = instantiate(cfg.task, _partial_=True)(tokenizer=tokenizer, corpus=instantiate(cfg.corpus))
     data.num_workers = 0
     loader = iter(data.train_dataloader())
-    batches = [next(loader) for _ in range(args.steps + args.warmup)]
+    device = torch.device(args.device)
+    model.to(device)
+    batches = [batch_to(next(loader), device) for _ in range(args.steps + args.warmup)]
     o = cfg.optim
     opt = torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+        model.parameters(),
+        lr=o.lr,
+        betas=tuple(o.betas),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
     )
     for i, batch in enumerate(batches):
         if i == args.warmup:
+            sync(device.type)
             t0 = time.perf_counter()
-        loss = loss_fn(model(batch), model, batch)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = loss_fn(model(batch), model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.gradient_clip_val or float("inf"))
         opt.step()
         loss.item()
+    sync(device.type)
     return (time.perf_counter() - t0) / args.steps
 
 
@@ -89,6 +101,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--workers", type=int, default=2, help="data workers (task.num_workers; the recipe: 2)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as run_dir:
@@ -98,7 +111,7 @@ def main() -> None:
     every = recipe["val_every"]
     print(
         f"{args.model}, batch {cfg.task.batch_size} x {args.segments} segments of {cfg.model.segment_size} tokens, "
-        f"one thread, {args.workers} data workers:\n"
+        f"one thread, {args.workers} data workers, {args.device}:\n"
         f"  Lightning run (train.py's)  {lit * 1000:7.1f} ms/step\n"
         f"  hand-written torch loop     {hand * 1000:7.1f} ms/step   ratio {lit / hand:.3f} (target <= 1.2)\n"
         f"  one validation              {val:7.2f} s = {val / every * 1000:.1f} ms/step at one every {every} steps"

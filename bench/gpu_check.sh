@@ -39,6 +39,7 @@ if [[ $what == all || $what == bench ]]; then
     step "throughput 83M compiled" $PY -m bench.throughput --preset llama_83m --batch 16 --steps 20 --compile --skip-hf
     step "rmt_overhead GPT-2 shape" $PY -m bench.rmt_overhead --hidden 768 --layers 12 --heads 12 --segment 512 \
         --memory 16 --segments 4 --batch 8 --vocab 50257 --repeats 5 --stream-lengths 16384,1048576 --profile
+    step "babilong_step (the main job)" $PY -m bench.babilong_step --device cuda --steps 40 --warmup 10
     step "longce" $PY -m bench.longce
     step "xl_throughput 83M shape" $PY -m bench.xl_throughput --segment 1024 --hidden 512 --layers 12 --vocab 32000 \
         --batch 8 --doc-lengths 4096,16384,65536

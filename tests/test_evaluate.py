@@ -4,6 +4,7 @@ next to the checkpoint (W&B: the training run itself), export=hf gives a folder 
 import csv
 import json
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +22,18 @@ from callbacks.wrong_answers import KINDS, answer_kind, wrong_answers
 from data.corpus import Corpus, Document
 from data.curriculum import BabilongDataModule
 from data.tokenizer import build_tokenizer
-from evaluate import babilong, early_facts_loader, evaluate, memory_maps, ppl, wandb_run_id, with_window
+from evaluate import (
+    autocast_context,
+    babilong,
+    early_facts_loader,
+    evaluate,
+    memory_maps,
+    ppl,
+    wandb_run_id,
+    with_window,
+)
 from models.backbone import build_llama
-from models.builders import build_run
+from models.builders import auto_precision, build_run
 from models.config_errors import ConfigError
 from models.lm import CausalLM
 from models.outputs import ModelOutput, scored_positions
@@ -372,6 +382,30 @@ def test_bad_inputs_are_refused_with_a_clear_message(tmp_path):
         evaluate(compose_eval([f"ckpt_path={foreign}", "logger=csv"]))
     with pytest.raises(ValueError, match="Unknown export='onnx'; valid: hf"):
         evaluate(compose_eval(["export=onnx", f"ckpt_path={foreign}"]))
+
+
+def test_precision_null_reads_a_checkpoint_as_it_trained():
+    """precision=null: a checkpoint trained in fp32 (the tiny recipe, on any device) is evaluated in fp32 on a GPU
+    too, as its validation ran; a mixed-precision one takes the device's autocast (bf16 on CUDA, none on a CPU);
+    an explicit precision wins; an unknown one is refused."""
+
+    def dtype(precision, device, trained_in=None):
+        trained = OmegaConf.create({"trainer": {"precision": trained_in}}) if trained_in else None
+        with warnings.catch_warnings():  # torch.autocast("cuda") on a machine without CUDA warns, and is off
+            warnings.simplefilter("ignore")
+            context = autocast_context(precision, torch.device(device), trained)()
+        return context.fast_dtype if isinstance(context, torch.autocast) else None
+
+    assert dtype(None, "cuda", "32-true") is None and dtype(None, "cuda", "32") is None
+    assert dtype(None, "cuda", "bf16-mixed") == dtype(None, "cuda") == auto_dtype("cuda")
+    assert dtype(None, "cpu", "bf16-mixed") is None and dtype(None, "cpu") is None
+    assert dtype("bf16-mixed", "cuda", "32-true") == torch.bfloat16 and dtype("32-true", "cuda") is None
+    with pytest.raises(ConfigError, match="precision=bf17 is not one of bf16-mixed"):
+        autocast_context("bf17", torch.device("cpu"))
+
+
+def auto_dtype(device: str):
+    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(auto_precision(device))
 
 
 class EvenRowReader(Oracle):
