@@ -43,7 +43,7 @@ from data.babi import generate_task
 from data.babilong import EncodedSample, TaskTokens, assemble, check_task, collate
 from data.corpus import default_cache_dir
 from models import cli
-from models.builders import build_backbone, instantiate, register_resolvers
+from models.builders import build_backbone, instantiate, load_backbone_init, register_resolvers
 from models.config_checks import check_config
 from models.config_errors import ConfigError
 from models.lit_module import exact_match
@@ -219,6 +219,24 @@ def save_backbone(backbone: nn.Module, path: str | Path, backbone_cfg: DictConfi
     tmp.replace(path)
 
 
+# The task whose warm start a task's own starts from (warm_start.from_task=auto): qa2 asks where the person holding
+# an object is, so it builds on qa1's who-is-where (facts-only 0.50 from random weights, 0.66 from qa1's; README).
+FIRST_LEARN = {"qa2": "qa1"}
+
+
+def from_task(cfg: DictConfig) -> str | None:
+    """The task whose warm-started backbone this run's warm start begins from (None: random weights)."""
+    task, first = cfg.task.get("task"), cfg.warm_start.get("from_task")
+    first = FIRST_LEARN.get(task) if first == "auto" else first
+    if first is not None:
+        check_task(first)
+        if first == task:
+            raise ConfigError(
+                f"warm_start.from_task={first} is the task itself: give another task, auto or null."
+            )
+    return first
+
+
 def warm_start_file(cfg: DictConfig) -> Path:
     """Where the warm start of this run's backbone, tokenizer, task and `warm_start` settings is cached."""
     task = cfg.task.get("task")
@@ -231,6 +249,9 @@ def warm_start_file(cfg: DictConfig) -> Path:
         name: OmegaConf.to_container(cfg[name], resolve=True)
         for name in ("backbone", "tokenizer", "warm_start")
     }
+    identity["warm_start"].pop("from_task", None)  # keyed by the task it resolves to, only where there is one
+    if (first := from_task(cfg)) is not None:
+        identity["from_task"] = first
     key = hashlib.sha256(json.dumps({**identity, "task": task}, sort_keys=True).encode()).hexdigest()[:16]
     return default_cache_dir() / "warm_start" / f"{task}-{key}.pt"
 
@@ -245,13 +266,23 @@ def warm_start(cfg: DictConfig, tokenizer) -> Path:
         if path.is_file():
             return path
         settings = OmegaConf.to_container(cfg.warm_start, resolve=True)
-        task = cfg.task.task
+        settings.pop("from_task", None)
+        task, first = cfg.task.task, from_task(cfg)
+        start = None  # the first task's warm start, built (or found) first, from its own `auto`
+        if first is not None:
+            start = warm_start(
+                OmegaConf.merge(cfg, {"task": {"task": first}, "warm_start": {"from_task": "auto"}}),
+                tokenizer,
+            )
         log.info("Warm-starting the backbone on %s stories (once; cached as %s): %s", task, path, settings)
         threads = torch.get_num_threads()
         torch.set_num_threads(cfg.get("threads") or 1)  # a tiny backbone: one thread is fastest
         with torch.random.fork_rng():
             torch.manual_seed(settings["seed"])
             backbone = build_backbone(cfg.backbone, tokenizer)
+            if start is not None:
+                log.info("Starting from the %s warm start %s", first, start)
+                load_backbone_init(backbone, str(start), cfg.backbone)
             t0 = time.perf_counter()
             acc = pretrain(backbone, tokenizer, task, **settings, log=log.info, progress=True)
         torch.set_num_threads(threads)

@@ -147,6 +147,37 @@ def test_warm_start_is_trained_once_per_config_cached_and_reused(tmp_path, monke
         warm_start_file(compose_train(["model=rmt_r", "backbone=tiny_babi", "backbone_init=warm_start"]))
 
 
+def test_qa2_warm_start_begins_from_qa1s(tmp_path, monkeypatch):
+    """warm_start.from_task=auto (the default): qa2's warm start first builds (or finds) qa1's and trains on from
+    its weights; its cache key names the task it started from, while qa1's key is what it was before the option.
+    A task that starts from itself, or from no bAbI task, is refused."""
+    monkeypatch.setenv("MEMLM_CACHE", str(tmp_path))
+    started = []
+
+    def recorded(backbone, tokenizer, task, **settings):
+        started.append((task, {k: v.clone() for k, v in backbone.state_dict().items()}))
+        return pretrain(backbone, tokenizer, task, **settings)
+
+    monkeypatch.setattr(pretrain_babi, "pretrain", recorded)
+    register_resolvers()
+    small = ["warm_start.steps=2", "warm_start.n_pool=300", "warm_start.n_val=16", "warm_start.eval_every=2"]
+    qa2 = compose_train(["model=rmt_r", "task=qa2", *small])
+    path = pretrain_babi.warm_start(qa2, build_tokenizer())
+    qa1 = compose_train(["model=rmt_r", "task=qa1", *small])
+    assert [task for task, _ in started] == ["qa1", "qa2"] and path == warm_start_file(qa2)
+    saved_qa1 = torch.load(warm_start_file(qa1), weights_only=True)["state_dict"]
+    torch.testing.assert_close(started[1][1], saved_qa1)  # qa2 trained on from qa1's weights
+
+    alone = compose_train(["model=rmt_r", "task=qa2", *small, "warm_start.from_task=null"])
+    assert warm_start_file(alone) != warm_start_file(qa2)
+    qa1_null = compose_train(["model=rmt_r", "task=qa1", *small, "warm_start.from_task=null"])
+    assert warm_start_file(qa1_null) == warm_start_file(qa1)
+    with pytest.raises(ValueError, match="warm_start.from_task=qa2 is the task itself"):
+        warm_start_file(compose_train(["model=rmt_r", "task=qa2", "warm_start.from_task=qa2"]))
+    with pytest.raises(ValueError, match="qa99"):
+        warm_start_file(compose_train(["model=rmt_r", "task=qa2", "warm_start.from_task=qa99"]))
+
+
 def test_pretraining_says_what_it_does_and_its_bar_ends_full_when_it_stops_early(tok, monkeypatch):
     """Was: no word of what runs or how long, and a bar left at "75%" when the target stopped the run."""
     bars = []
