@@ -71,11 +71,7 @@ def torch_step(cfg, args) -> float:
     batches = [batch_to(next(loader), device) for _ in range(args.steps + args.warmup)]
     o = cfg.optim
     opt = torch.optim.AdamW(
-        model.parameters(),
-        lr=o.lr,
-        betas=tuple(o.betas),
-        eps=o.eps,
-        weight_decay=o.weight_decay,
+        model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
     )
     for i, batch in enumerate(batches):
         if i == args.warmup:
