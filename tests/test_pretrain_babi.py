@@ -149,7 +149,7 @@ def test_warm_start_is_trained_once_per_config_cached_and_reused(tmp_path, monke
 
 def test_qa2_warm_start_begins_from_qa1s(tmp_path, monkeypatch):
     """warm_start.from_task=auto (the default): qa2's warm start first builds (or finds) qa1's and trains on from
-    its weights; its cache key names the task it started from, while qa1's key is what it was before the option.
+    its weights, qa3's from qa2's; a cache key names the task it started from, while qa1's is what it was before.
     A task that starts from itself, or from no bAbI task, is refused."""
     monkeypatch.setenv("MEMLM_CACHE", str(tmp_path))
     started = []
@@ -167,6 +167,10 @@ def test_qa2_warm_start_begins_from_qa1s(tmp_path, monkeypatch):
     assert [task for task, _ in started] == ["qa1", "qa2"] and path == warm_start_file(qa2)
     saved_qa1 = torch.load(warm_start_file(qa1), weights_only=True)["state_dict"]
     torch.testing.assert_close(started[1][1], saved_qa1)  # qa2 trained on from qa1's weights
+    pretrain_babi.warm_start(compose_train(["model=rmt_r", "task=qa3", *small]), build_tokenizer())
+    assert [task for task, _ in started] == ["qa1", "qa2", "qa3"]  # qa1's and qa2's found in the cache
+    saved_qa2 = torch.load(path, weights_only=True)["state_dict"]
+    torch.testing.assert_close(started[2][1], saved_qa2)
 
     alone = compose_train(["model=rmt_r", "task=qa2", *small, "warm_start.from_task=null"])
     assert warm_start_file(alone) != warm_start_file(qa2)
