@@ -147,7 +147,7 @@ def test_warm_start_is_trained_once_per_config_cached_and_reused(tmp_path, monke
         warm_start_file(compose_train(["model=rmt_r", "backbone=tiny_babi", "backbone_init=warm_start"]))
 
 
-def test_qa2_warm_start_begins_from_qa1s(tmp_path, monkeypatch):
+def test_qa2_and_qa3_warm_starts_begin_from_the_task_before(tmp_path, monkeypatch):
     """warm_start.from_task=auto (the default): qa2's warm start first builds (or finds) qa1's and trains on from
     its weights, qa3's from qa2's; a cache key names the task it started from, while qa1's is what it was before.
     A task that starts from itself, or from no bAbI task, is refused."""
