@@ -50,9 +50,16 @@ def auto_precision(accelerator: str = "auto") -> str:
     return "32-true"
 
 
+def required(what: str):
+    """`${required:'key=... , what it is'}`: a value an experiment cannot run without (OmegaConf's ??? does not
+    survive being merged onto a default); the command line replaces it, and reading it unreplaced is an error."""
+    raise ConfigError(f"this experiment needs {what} on the command line")
+
+
 def register_resolvers() -> None:
-    if not OmegaConf.has_resolver("auto_precision"):
-        OmegaConf.register_new_resolver("auto_precision", auto_precision)
+    for name, resolver in (("auto_precision", auto_precision), ("required", required)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)
 
 
 def build_backbone(cfg: DictConfig, tokenizer) -> torch.nn.Module:
@@ -179,11 +186,11 @@ def build_callbacks(cfg: DictConfig, datamodule) -> list:
 
 def build_run(cfg: DictConfig) -> Run:
     check_config(cfg)
+    init_from = None if cfg.get("ckpt_path") else cfg.get("init_from")  # a resume restores its own weights
     L.seed_everything(cfg.seed, workers=True)
     tokenizer = instantiate(cfg.tokenizer)
     corpus = instantiate(cfg.corpus)
     datamodule = instantiate(cfg.task, _partial_=True)(tokenizer=tokenizer, corpus=corpus)
-    init_from = None if cfg.get("ckpt_path") else cfg.get("init_from")  # a resume restores its own weights
     model = build_model(cfg, tokenizer, None if init_from else cfg.get("backbone_init"))
     # the resolved config: checked against init_from's, saved in every checkpoint, logged as hyperparameters
     resolved = OmegaConf.to_container(cfg, resolve=True)

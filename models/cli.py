@@ -35,7 +35,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError
 
 from models.errors import UserError
 
@@ -81,6 +81,8 @@ def user_errors(cfg: DictConfig) -> Iterator[None]:
     except BaseException as e:
         if HydraConfig.initialized():
             remove_if_unused(Path(HydraConfig.get().runtime.output_dir))
+        if isinstance(e, InterpolationResolutionError) and isinstance(e.__context__, EXPECTED):
+            e = e.__context__  # raised by a resolver (`${required:...}`), which OmegaConf wraps
         if not isinstance(e, EXPECTED) or cfg.get("debug") or os.environ.get("MEMLM_DEBUG") == "1":
             raise
         raise SystemExit(f"Error: {describe(e)}") from None

@@ -87,6 +87,16 @@ def test_train_bad_input_exits_with_one_message(monkeypatch, tmp_path, args, mes
     assert not (tmp_path / "run").exists()  # a run that failed at startup leaves no folder (item 15)
 
 
+def test_an_experiment_without_its_required_value_names_it(monkeypatch, tmp_path):
+    run_dir = f"run_dir={tmp_path / 'run'}"
+    got = run_cli(monkeypatch, train.main, "train", "experiment=curriculum32_from", run_dir, *QUIET)
+    assert got == (
+        "Error: this experiment needs init_from=runs/<run>/checkpoints/last.ckpt (the run trained as typed) "
+        "on the command line"
+    ), got
+    assert not (tmp_path / "run").exists()
+
+
 def test_several_unknown_keys_are_all_named(monkeypatch, tmp_path):
     got = run_cli(monkeypatch, train.main, "train", "trainer.max_step=3", "optim.lrr=1", *QUIET)
     assert got.splitlines()[1:] == ["optim.lrr=1: unknown key; did you mean optim.lr=1?"], got

@@ -33,6 +33,8 @@ GROUPS = [
     "experiment",
 ]
 RUNTIME_ARGS = {"tokenizer", "corpus", "backbone", "model", "out_dir"}  # passed by the builders at run time
+# `${required:...}` values, which the command line gives
+REQUIRED = {"curriculum32_from": ["init_from=as_typed.ckpt"]}
 
 register_resolvers()
 
@@ -67,7 +69,7 @@ def assert_binds(path: str, node: DictConfig) -> None:
 @pytest.mark.parametrize("group", GROUPS)
 def test_every_option_composes_and_binds(group):
     for option in options(group):
-        cfg = compose_train([f"{group}={option}"])
+        cfg = compose_train([f"{group}={option}", *REQUIRED.get(option, [])])
         OmegaConf.resolve(cfg)
         for path, node in targets(cfg):
             assert_binds(path, node)
