@@ -67,6 +67,7 @@ class ARMT(RMT):
         nu: int = 3,
         rmt_tokens: bool = False,
         use_denom: bool = True,
+        alibi_free_memory: bool = False,
     ):
         if not isinstance(backbone, Llama):
             raise ConfigError(
@@ -78,7 +79,7 @@ class ARMT(RMT):
             raise ConfigError(f"ARMT writes its memory tokens, so num_memory must be >= 1, got {num_memory}")
         if d_mem < 1 or nu < 1:
             raise ConfigError(f"d_mem and nu must be >= 1, got d_mem={d_mem}, nu={nu}")
-        super().__init__(backbone, num_memory, segment_size, k2, checkpoint_segments)
+        super().__init__(backbone, num_memory, segment_size, k2, checkpoint_segments, alibi_free_memory)
         self.rmt_tokens = rmt_tokens
         self.n_features = 2 * nu * d_mem
         self.layer_memories = nn.ModuleList(
@@ -136,6 +137,18 @@ def build_armt(
     nu: int = 3,
     rmt_tokens: bool = False,
     use_denom: bool = True,
+    alibi_free_memory: bool = False,
 ) -> ARMT:
     """Hydra target of configs/model/armt.yaml: `hydra.utils.instantiate(cfg.model, backbone=backbone)`."""
-    return ARMT(backbone, num_memory, segment_size, k2, checkpoint_segments, d_mem, nu, rmt_tokens, use_denom)
+    return ARMT(
+        backbone,
+        num_memory,
+        segment_size,
+        k2,
+        checkpoint_segments,
+        d_mem,
+        nu,
+        rmt_tokens,
+        use_denom,
+        alibi_free_memory,
+    )

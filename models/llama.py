@@ -93,11 +93,16 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def alibi_bias(q_pos: Tensor, k_pos: Tensor, n_heads: int, mask: Tensor | None) -> Tensor:
+def alibi_bias(
+    q_pos: Tensor, k_pos: Tensor, n_heads: int, mask: Tensor | None, free: Tensor | None = None
+) -> Tensor:
     """Float attention mask (B, H, Tq, Tk): -slope_h * (query position - key position), slopes 2^(-8h/H) for
-    h = 1..H, and -inf where `mask` (bool (B|1, 1, Tq, Tk); None: bottom-right causal) forbids attending."""
+    h = 1..H, and -inf where `mask` (bool (B|1, 1, Tq, Tk); None: bottom-right causal) forbids attending.
+    free: (Tk,) bool, keys (and, the last Tq of them, queries) at distance 0 from every token: no recency bias."""
     slopes = 2.0 ** (-8.0 * torch.arange(1, n_heads + 1, device=q_pos.device) / n_heads)  # (H,)
     distance = (q_pos[:, None, :, None] - k_pos[:, None, None, :]).clamp(min=0)  # (B, 1, Tq, Tk)
+    if free is not None:
+        distance = distance.masked_fill(free[-q_pos.shape[1] :, None] | free[None, :], 0)
     if mask is None:
         Tq, Tk = q_pos.shape[1], k_pos.shape[1]
         mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q_pos.device).tril(Tk - Tq)[None, None]
@@ -233,6 +238,7 @@ class Llama(nn.Module):
         attention_mask: Tensor | None = None,
         kv_cache: KVCacheHook | None = None,
         residual_hook: ResidualHook | None = None,
+        alibi_free: Tensor | None = None,
     ) -> Tensor:
         """input_ids (B, T) or inputs_embeds (B, T, D) -> hidden (B, T, D).
 
@@ -240,7 +246,13 @@ class Llama(nn.Module):
         position_ids: (B|1, T); default cumsum(mask) - 1, i.e. padding does not shift positions, or 0..T-1.
         kv_cache: per-layer hook prepending cached keys/values; positions then follow the cache (see KVCacheHook).
         residual_hook: called at each layer boundary with the residual stream, returns it (see ResidualHook).
+        alibi_free: (T,) bool, tokens outside ALiBi's recency bias, as queries and as keys (an RMT's memory);
+            needs alibi=True.
         """
+        if alibi_free is not None and not self.cfg.alibi:
+            raise ConfigError(
+                "alibi_free marks tokens outside ALiBi's recency bias: it needs backbone.alibi=true"
+            )
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         T = x.shape[1]
         if position_ids is None:
@@ -266,7 +278,7 @@ class Llama(nn.Module):
                 mask = build_attention_mask(attention_mask, T, Tk, x.device)
                 if self.cfg.alibi:  # key positions as the attention's RoPE sees them
                     k_pos = key_positions(Tk)
-                    mask = alibi_bias(k_pos[:, -T:], k_pos, self.cfg.n_heads, mask)
+                    mask = alibi_bias(k_pos[:, -T:], k_pos, self.cfg.n_heads, mask, alibi_free)
                 masks[Tk] = mask
             return masks[Tk]
 

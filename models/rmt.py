@@ -47,6 +47,7 @@ class RMT(nn.Module):
         segment_size: int,
         k2: int = -1,
         checkpoint_segments: bool = False,
+        alibi_free_memory: bool = False,
     ):
         super().__init__()
         if num_memory < 0:
@@ -60,6 +61,12 @@ class RMT(nn.Module):
         self.segment_size = segment_size
         self.k2 = k2
         self.checkpoint_segments = checkpoint_segments
+        if alibi_free_memory and not getattr(getattr(backbone, "cfg", None), "alibi", False):
+            raise ConfigError(
+                "model.alibi_free_memory=true exempts the memory tokens from ALiBi's recency bias: it needs a "
+                "backbone with ALiBi (backbone.alibi=true, as backbone=tiny_babi)"
+            )
+        self.alibi_free_memory = alibi_free_memory
         with torch.no_grad():
             ids = torch.arange(backbone.vocab_size, device=_device_of(backbone))
             emb = backbone.embed(ids)
@@ -117,6 +124,9 @@ class RMT(nn.Module):
             memory_mask = [mask.new_ones(len(x), self.num_memory)] if write else []
             attention_mask = torch.cat([mask.new_ones(len(x), r), mask, *memory_mask], 1)
             positions = padding_position_ids(attention_mask)
+        if self.alibi_free_memory:  # read and write memory at distance 0 from every token
+            index = torch.arange(x.shape[1], device=x.device)
+            backbone_kwargs["alibi_free"] = (index < r) | (index >= r + L)
         hidden = self.backbone(
             inputs_embeds=x, position_ids=positions, attention_mask=attention_mask, **backbone_kwargs
         )
@@ -256,7 +266,12 @@ def _device_of(module: nn.Module) -> torch.device:
 
 
 def build_rmt(
-    backbone: nn.Module, num_memory: int, segment_size: int, k2: int = -1, checkpoint_segments: bool = False
+    backbone: nn.Module,
+    num_memory: int,
+    segment_size: int,
+    k2: int = -1,
+    checkpoint_segments: bool = False,
+    alibi_free_memory: bool = False,
 ) -> RMT:
     """Hydra target of configs/model/rmt.yaml: `hydra.utils.instantiate(cfg.model, backbone=backbone)`."""
-    return RMT(backbone, num_memory, segment_size, k2, checkpoint_segments)
+    return RMT(backbone, num_memory, segment_size, k2, checkpoint_segments, alibi_free_memory)

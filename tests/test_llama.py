@@ -5,6 +5,7 @@ import torch
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
+from models.config_errors import ConfigError
 from models.llama import Llama, LlamaConfig, apply_rope, rope_cos_sin
 
 
@@ -56,7 +57,9 @@ def test_left_padding_matches_unpadded():
     )
 
 
-def test_alibi_attention_equals_a_hand_written_softmax_with_the_linear_bias():
+@pytest.mark.parametrize("free", [None, [0, 1, 8]])
+def test_alibi_attention_equals_a_hand_written_softmax_with_the_linear_bias(free):
+    """free: tokens outside the bias (an RMT's memory), at distance 0 as queries and as keys."""
     torch.manual_seed(0)
     cfg = tiny_cfg(alibi=True)
     model = Llama(cfg).eval()
@@ -70,15 +73,22 @@ def test_alibi_attention_equals_a_hand_written_softmax_with_the_linear_bias():
     k, v = (t.repeat_interleave(cfg.n_heads // cfg.n_kv_heads, dim=1) for t in (k, v))
     slopes = torch.tensor([2 ** (-8 * h / cfg.n_heads) for h in range(1, cfg.n_heads + 1)])
     i = torch.arange(T)
-    bias = -slopes[:, None, None] * (i[:, None] - i[None, :]).float()  # (H, T, T)
+    distance = (i[:, None] - i[None, :]).float()
+    if free is not None:
+        distance[free, :], distance[:, free] = 0, 0
+    bias = -slopes[:, None, None] * distance  # (H, T, T)
     scores = (q @ k.transpose(-1, -2) / cfg.head_dim**0.5 + bias).masked_fill(
         i[None, :] > i[:, None], -torch.inf
     )
     expected = attn.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, T, -1))
     seen = {}  # the model builds rotary tables and bias once per forward and hands every layer their builders
     attn.register_forward_pre_hook(lambda module, args: seen.update(rope_for=args[1], mask_for=args[2]))
-    model(torch.randint(0, 97, (2, T)))
+    alibi_free = None if free is None else torch.isin(i, torch.tensor(free))
+    model(torch.randint(0, 97, (2, T)), alibi_free=alibi_free)
     torch.testing.assert_close(attn(x, seen["rope_for"], seen["mask_for"], None, 0), expected)
+    if free is not None:
+        with pytest.raises(ConfigError, match="needs backbone.alibi=true"):
+            Llama(tiny_cfg())(torch.randint(0, 97, (2, T)), alibi_free=alibi_free)
 
 
 def test_unpadded_rows_share_one_alibi_bias():

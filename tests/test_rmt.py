@@ -19,6 +19,7 @@ from callbacks.memory_maps import (
 )
 from models.armt import ARMT
 from models.backbone import HFBackbone
+from models.config_errors import ConfigError
 from models.llama import Llama, LlamaConfig
 from models.rmt import RMT, build_rmt
 from models.rmt_retrieval import RMTRetrieval
@@ -375,3 +376,25 @@ def test_fact_segments_finds_each_fact_in_story_order():
     assert fact_segments(ids, [np.array([1, 2]), np.array([1, 2]), np.array([3])], bounds) == [2, 3, 4]
     with pytest.raises(ValueError, match="not in the sample"):
         fact_segments(ids, [np.array([3]), np.array([1, 2])], bounds)
+
+
+@pytest.mark.parametrize("cls", [RMT, RMTRetrieval])
+def test_alibi_free_memory_takes_the_recency_bias_off_read_and_write_memory(cls):
+    """Every layer sees the linear bias among the segment's tokens and none to or from the memory tokens
+    ([read memory (r); X (L); write memory (m)]); a backbone without ALiBi is refused by name."""
+    torch.manual_seed(0)
+    model = cls(tiny_backbone(alibi=True), num_memory=2, segment_size=5, alibi_free_memory=True).eval()
+    seen = []
+    model.backbone.layers[0].self_attn.register_forward_pre_hook(lambda mod, args: seen.append(args[2]))
+    model(lm_batch(torch.randint(0, V, (2, 5))))
+    r = 2 if cls is RMT else 4
+    T = r + 5 + 2
+    i = torch.arange(T)
+    distance = (i[:, None] - i[None, :]).float()
+    memory = (i < r) | (i >= r + 5)
+    distance[memory, :], distance[:, memory] = 0, 0
+    slopes = torch.tensor([2 ** (-8 * h / 4) for h in range(1, 5)])
+    expected = (-slopes[:, None, None] * distance).masked_fill(i[None, :] > i[:, None], -torch.inf)
+    torch.testing.assert_close(seen[0](T), expected[None])
+    with pytest.raises(ConfigError, match="needs a backbone with ALiBi"):
+        cls(tiny_backbone(), num_memory=2, segment_size=5, alibi_free_memory=True)
