@@ -1,10 +1,12 @@
 """The main job's step (`python train.py model=rmt_r task=qa1`, issue #14): the Lightning run exactly as train.py
 builds it (curriculum batches made by data workers, every callback, logging) against a hand-written torch loop over
 the same model and the same batches made beforehand (forward, the injected loss, backward, clipping, AdamW), one
-run, one thread. Also the cost of one validation (the recipe validates every `trainer.val_check_interval` steps).
+run, one thread (`--threads`: more, for a run alone on the machine). Also the cost of one validation (the recipe
+validates every `trainer.val_check_interval` steps).
 On CUDA (`--device cuda`) both run in bf16 autocast (Lightning's `bf16-mixed`).
 
-    python -m bench.babilong_step [--model rmt_r] [--segments 2] [--steps 60] [--workers 2] [--device cuda]
+    python -m bench.babilong_step [--model rmt_r] [--segments 2] [--steps 60] [--workers 2] [--threads 1]
+        [--device cuda]
 
 Prints seconds per step of each, their ratio (target: Lightning / torch <= 1.2) and validation's share per step.
 """
@@ -36,7 +38,7 @@ def compose_main_job(args, run_dir: str):
         f"trainer.max_steps={args.steps + args.warmup}",
         "trainer.limit_val_batches=0",
         f"task.num_workers={args.workers}",
-        "threads=1",
+        f"threads={args.threads}",
         f"trainer.accelerator={'gpu' if args.device == 'cuda' else 'cpu'}",
         f"run_dir={run_dir}",
     ]
@@ -97,9 +99,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--workers", type=int, default=2, help="data workers (task.num_workers; the recipe: 2)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads (train.py's threads=; tiny models: 1)"
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = compose_main_job(args, run_dir)
         lit, val, recipe = lightning_step(cfg, args)
@@ -107,7 +112,7 @@ def main() -> None:
     every = recipe["val_every"]
     print(
         f"{args.model}, batch {cfg.task.batch_size} x {args.segments} segments of {cfg.model.segment_size} tokens, "
-        f"one thread, {args.workers} data workers, {args.device}:\n"
+        f"{args.threads} thread(s), {args.workers} data workers, {args.device}:\n"
         f"  Lightning run (train.py's)  {lit * 1000:7.1f} ms/step\n"
         f"  hand-written torch loop     {hand * 1000:7.1f} ms/step   ratio {lit / hand:.3f} (target <= 1.2)\n"
         f"  one validation              {val:7.2f} s = {val / every * 1000:.1f} ms/step at one every {every} steps"
