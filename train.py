@@ -26,9 +26,11 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     run = build_run(cfg)
     save_run_config(cfg, overrides)
     run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=ckpt)
+    metrics = dict(run.trainer.callback_metrics)  # trainer.test starts its own
     if cfg.get("test"):
         run.trainer.test(run.module, datamodule=run.datamodule)
-    return {k: float(v) for k, v in run.trainer.callback_metrics.items()}
+        metrics |= run.trainer.callback_metrics
+    return {k: float(v) for k, v in metrics.items()}
 
 
 @hydra.main(version_base="1.3", config_path=str(cli.CONFIGS), config_name="train")

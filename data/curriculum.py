@@ -18,8 +18,9 @@ resumed run draws from `trainer.global_step * accumulate_grad_batches` on with t
 sees exactly the batches of an uninterrupted run. Validation runs every `trainer.val_check_interval` batches.
 
 Validation: one dataloader per segment count (`val/<task>/acc@<k>seg`) and per context length
-(`val/<task>/acc@<length>`), over held-out background ("validation" split) with fixed seeds; test: the length grid
-0 (facts only), 1k, ..., 128k (or more) over the "test" split, or the official BABILong data. `val_names` /
+(`val/<task>/acc@<length>`), over held-out background ("validation" split) with fixed seeds; test: sets of
+exactly k segments (`test_segments`, e.g. the training lengths) and the length grid 0 (facts only), 1k, ..., 128k
+(or more) over the "test" split, or the official BABILong data for the grid. `val_names` /
 `test_names` name the loaders in order: log `f"val/{name}"` with `add_dataloader_idx=False`.
 """
 
@@ -158,6 +159,7 @@ class BabilongDataModule(L.LightningDataModule):
         val_segments: Sequence[int] | None = None,
         val_lengths: Sequence[int] = (),
         test_lengths: Sequence[int] = DEFAULT_TEST_LENGTHS,
+        test_segments: Sequence[int] = (),
         eval_batch_size: int = 8,
         num_workers: int = 0,
         seed: int = 0,
@@ -185,8 +187,9 @@ class BabilongDataModule(L.LightningDataModule):
                 raise ConfigError(f"{name} must be >= 1, got {value}")
         self.val_segments = tuple(int(k) for k in (self.schedule if val_segments is None else val_segments))
         self.val_lengths, self.test_lengths = tuple(map(int, val_lengths)), tuple(map(int, test_lengths))
+        self.test_segments = tuple(int(k) for k in test_segments)
         if (
-            min(self.val_segments, default=0) < 0
+            min((*self.val_segments, *self.test_segments), default=0) < 0
             or min((*self.val_lengths, *self.test_lengths), default=0) < 0
         ):
             raise ConfigError(
@@ -341,7 +344,9 @@ class BabilongDataModule(L.LightningDataModule):
 
     @property
     def test_names(self) -> list[str]:
-        return [f"{self.task}/acc@{length_name(n)}" for n in self.test_lengths]
+        return [f"{self.task}/acc@{k}seg" for k in self.test_segments] + [
+            f"{self.task}/acc@{length_name(n)}" for n in self.test_lengths
+        ]
 
     def eval_loader(self, dataset: Dataset, **meta) -> DataLoader:
         """Evaluation batches of `dataset` (its samples collated, `meta` added to each batch)."""
@@ -384,7 +389,11 @@ class BabilongDataModule(L.LightningDataModule):
         return self._generated("test", self.n_test, length=length)
 
     def test_dataloader(self) -> list[DataLoader]:
-        return [self.eval_loader(self.test_set(n), length=n) for n in self.test_lengths]
+        by_segments = [
+            self.eval_loader(self._generated("test", self.n_test, segments=k), n_segments=k)
+            for k in self.test_segments
+        ]
+        return by_segments + [self.eval_loader(self.test_set(n), length=n) for n in self.test_lengths]
 
 
 class CurriculumCallback(Callback):

@@ -109,6 +109,24 @@ def test_facts_only_stage_has_no_background_and_validates_on_facts_only(tok, cac
         make_dm(tok, cache, schedule=(-1, 1))
 
 
+def test_test_sets_by_segment_count_are_the_test_stories_at_exactly_k_segments(tok, cache):
+    """test_segments (the recipe: its training lengths) adds test sets of exactly k segments, named as the
+    validation ones, over the test stories and the corpus' test split, before the length grid; negative counts
+    are refused."""
+    dm = make_dm(tok, cache, n_val=4, n_test=4, test_segments=(0, 2), test_lengths=(1024,))
+    assert dm.test_names == ["qa1/acc@0seg", "qa1/acc@2seg", "qa1/acc@1k"]
+    facts, two, grid = dm.test_dataloader()
+    test_pool = dm.pool("test")
+    assert [s.context_len for s in facts.dataset] == test_pool.facts_len[: len(facts.dataset)].tolist()
+    batch = next(iter(two))
+    assert batch["n_segments"] == 2 and batch["input_ids"].shape == (4, 2 * L_SEG)
+    val = next(iter(dm.val_dataloader()[1]))  # the validation set at 2 segments: other stories, other text
+    assert val["n_segments"] == 2 and not torch.equal(val["input_ids"], batch["input_ids"])
+    assert len(grid.dataset) == 4 and grid.dataset[0].context_len >= 1024
+    with pytest.raises(ConfigError, match="segment counts must be >= 0"):
+        make_dm(tok, cache, test_segments=(-1,))
+
+
 def test_batch_j_is_a_function_of_seed_stage_and_j(tok, cache):
     a, b = make_dm(tok, cache), make_dm(tok, cache)
     assert fingerprint(a.batch(4, 7)) == fingerprint(b.batch(4, 7))

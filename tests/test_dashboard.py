@@ -30,6 +30,7 @@ RMT_QA1 = [
     "task.eval_batch_size=2",
     "task.num_workers=0",
     "task.test_lengths=[0,128]",
+    "task.test_segments=[2]",
     "curriculum.schedule=[1,2]",
     "curriculum.callback.max_steps_per_stage=2",
     "trainer.max_steps=4",
@@ -77,17 +78,17 @@ def dashboard(tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("WANDB_MODE", "offline")
         env.setenv("WANDB_SILENT", "true")
-        train(compose_train([*RMT_QA1, f"run_dir={run_dir}"]))
+        metrics = train(compose_train([*RMT_QA1, f"run_dir={run_dir}"]))
         wandb.finish()
         evaluate(compose_eval([f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", *EVALUATE_BABILONG]))
     runs = sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb")), key=os.path.getmtime)
     assert len(runs) == 2 and len({Path(r).stem for r in runs}) == 1  # evaluate.py continued the training run
     (config, history), (_, eval_history) = (read_offline_run(Path(r)) for r in runs)
-    return run_dir, config, history, read_offline_summary(Path(runs[0])), eval_history
+    return run_dir, config, history, read_offline_summary(Path(runs[0])), eval_history, metrics
 
 
 def test_curriculum_stage_and_segments_over_steps(dashboard):
-    _, _, history, _, _ = dashboard
+    _, _, history, _, _ = dashboard[:5]
     stage, segments = logged(history, "train/curriculum_stage"), logged(history, "train/curriculum_segments")
     assert (
         set(stage) >= {0, 1, 2, 3} and stage[0] == 0 and stage[3] == 1
@@ -95,15 +96,20 @@ def test_curriculum_stage_and_segments_over_steps(dashboard):
     assert segments[0] == 1 and segments[3] == 2
 
 
+def test_train_returns_the_last_validation_and_the_test_sets(dashboard):
+    metrics = dashboard[5]
+    assert {"val/qa1/acc@2seg", "test/qa1/acc@2seg", "test/qa1/acc@0k", "test/qa1/acc@128"} <= metrics.keys()
+
+
 def test_accuracy_per_length_is_one_chart(dashboard):
-    _, _, history, _, _ = dashboard
+    _, _, history, _, _ = dashboard[:5]
     chart = logged(history, "val/accuracy_by_length_table")  # wandb.plot.line_series: one line per length
     assert set(chart) == {2, 4} and chart[4]["_type"] == "table-file"
     assert chart[4]["nrows"] == 4  # the whole history: 2 lengths (1 and 2 segments) x 2 validations
 
 
 def test_images_and_tables_carry_their_step(dashboard):
-    run_dir, _, history, _, _ = dashboard
+    run_dir, _, history, _, _ = dashboard[:5]
     maps = logged(history, "val/memory_maps")
     assert set(maps) == {2, 4} and maps[4]["count"] == 1  # one image per validation
     assert [p.name for p in run_dir.glob("memory_maps*")] == [
@@ -117,7 +123,7 @@ def test_images_and_tables_carry_their_step(dashboard):
 
 
 def test_config_and_checkpoint_paths(dashboard):
-    run_dir, config, _, summary, _ = dashboard
+    run_dir, config, _, summary, _ = dashboard[:5]
     assert config["model"]["_target_"] == "models.rmt.build_rmt" and config["curriculum"]["schedule"] == [
         1,
         2,
@@ -127,7 +133,7 @@ def test_config_and_checkpoint_paths(dashboard):
 
 
 def test_evaluate_results_land_at_the_checkpoints_step(dashboard):
-    _, _, _, _, eval_history = dashboard
+    _, _, _, _, eval_history = dashboard[:5]
     assert set(logged(eval_history, "eval/babilong/acc")) == {4}
     tasks = {k.split("/")[2] for row in eval_history for k in row if k.startswith("eval/babilong/qa")}
     assert tasks == {"qa1"}  # the task the checkpoint was trained on, not qa1-qa5
