@@ -338,14 +338,16 @@ class BabilongDataModule(L.LightningDataModule):
     # ---- evaluation -----------------------------------------------------------------------------------
     @property
     def val_names(self) -> list[str]:
-        return [f"{self.task}/acc@{k}seg" for k in self.val_segments] + [
-            f"{self.task}/acc@{length_name(n)}" for n in self.val_lengths
-        ]
+        return self._set_names(self.val_segments, self.val_lengths)
 
     @property
     def test_names(self) -> list[str]:
-        return [f"{self.task}/acc@{k}seg" for k in self.test_segments] + [
-            f"{self.task}/acc@{length_name(n)}" for n in self.test_lengths
+        return self._set_names(self.test_segments, self.test_lengths)
+
+    def _set_names(self, segments: Sequence[int], lengths: Sequence[int]) -> list[str]:
+        """Names of the evaluation sets in loader order: by segment count, then by context length."""
+        return [f"{self.task}/acc@{k}seg" for k in segments] + [
+            f"{self.task}/acc@{length_name(n)}" for n in lengths
         ]
 
     def eval_loader(self, dataset: Dataset, **meta) -> DataLoader:
@@ -369,11 +371,12 @@ class BabilongDataModule(L.LightningDataModule):
         total = None if segments is None else segments * self.segment_size
         return HaystackSet(self.pool(split), self.haystack(split), key, n, length=length, total=total)
 
+    def _by_segments(self, split: str, n: int, segments: Sequence[int]) -> list[DataLoader]:
+        """Loaders of the fixed sets of `split` with exactly k segments, one per k."""
+        return [self.eval_loader(self._generated(split, n, segments=k), n_segments=k) for k in segments]
+
     def val_dataloader(self) -> list[DataLoader]:
-        by_segments = [
-            self.eval_loader(self._generated("validation", self.n_val, segments=k), n_segments=k)
-            for k in self.val_segments
-        ]
+        by_segments = self._by_segments("validation", self.n_val, self.val_segments)
         by_length = [
             self.eval_loader(self._generated("validation", self.n_val, length=n), length=n)
             for n in self.val_lengths
@@ -389,11 +392,8 @@ class BabilongDataModule(L.LightningDataModule):
         return self._generated("test", self.n_test, length=length)
 
     def test_dataloader(self) -> list[DataLoader]:
-        by_segments = [
-            self.eval_loader(self._generated("test", self.n_test, segments=k), n_segments=k)
-            for k in self.test_segments
-        ]
-        return by_segments + [self.eval_loader(self.test_set(n), length=n) for n in self.test_lengths]
+        by_length = [self.eval_loader(self.test_set(n), length=n) for n in self.test_lengths]
+        return self._by_segments("test", self.n_test, self.test_segments) + by_length
 
 
 class CurriculumCallback(Callback):

@@ -6,6 +6,7 @@ checkpoint's step in the same run."""
 import glob
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -69,6 +70,15 @@ EVALUATE_BABILONG = [
 ]
 
 
+class Dashboard(NamedTuple):
+    run_dir: Path
+    config: dict
+    history: list[dict]
+    summary: dict
+    eval_history: list[dict]
+    train_metrics: dict[str, float]  # what train() returned
+
+
 @pytest.fixture(scope="module")
 def dashboard(tmp_path_factory):
     """A 4-step RMT run on qa1 with W&B (offline), then evaluate.py on its last checkpoint."""
@@ -84,11 +94,11 @@ def dashboard(tmp_path_factory):
     runs = sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb")), key=os.path.getmtime)
     assert len(runs) == 2 and len({Path(r).stem for r in runs}) == 1  # evaluate.py continued the training run
     (config, history), (_, eval_history) = (read_offline_run(Path(r)) for r in runs)
-    return run_dir, config, history, read_offline_summary(Path(runs[0])), eval_history, metrics
+    return Dashboard(run_dir, config, history, read_offline_summary(Path(runs[0])), eval_history, metrics)
 
 
 def test_curriculum_stage_and_segments_over_steps(dashboard):
-    _, _, history, _, _ = dashboard[:5]
+    history = dashboard.history
     stage, segments = logged(history, "train/curriculum_stage"), logged(history, "train/curriculum_segments")
     assert (
         set(stage) >= {0, 1, 2, 3} and stage[0] == 0 and stage[3] == 1
@@ -97,19 +107,19 @@ def test_curriculum_stage_and_segments_over_steps(dashboard):
 
 
 def test_train_returns_the_last_validation_and_the_test_sets(dashboard):
-    metrics = dashboard[5]
+    metrics = dashboard.train_metrics
     assert {"val/qa1/acc@2seg", "test/qa1/acc@2seg", "test/qa1/acc@0k", "test/qa1/acc@128"} <= metrics.keys()
 
 
 def test_accuracy_per_length_is_one_chart(dashboard):
-    _, _, history, _, _ = dashboard[:5]
+    history = dashboard.history
     chart = logged(history, "val/accuracy_by_length_table")  # wandb.plot.line_series: one line per length
     assert set(chart) == {2, 4} and chart[4]["_type"] == "table-file"
     assert chart[4]["nrows"] == 4  # the whole history: 2 lengths (1 and 2 segments) x 2 validations
 
 
 def test_images_and_tables_carry_their_step(dashboard):
-    run_dir, _, history, _, _ = dashboard[:5]
+    run_dir, history = dashboard.run_dir, dashboard.history
     maps = logged(history, "val/memory_maps")
     assert set(maps) == {2, 4} and maps[4]["count"] == 1  # one image per validation
     assert [p.name for p in run_dir.glob("memory_maps*")] == [
@@ -123,7 +133,7 @@ def test_images_and_tables_carry_their_step(dashboard):
 
 
 def test_config_and_checkpoint_paths(dashboard):
-    run_dir, config, _, summary, _ = dashboard[:5]
+    run_dir, config, summary = dashboard.run_dir, dashboard.config, dashboard.summary
     assert config["model"]["_target_"] == "models.rmt.build_rmt" and config["curriculum"]["schedule"] == [
         1,
         2,
@@ -133,7 +143,7 @@ def test_config_and_checkpoint_paths(dashboard):
 
 
 def test_evaluate_results_land_at_the_checkpoints_step(dashboard):
-    _, _, _, _, eval_history = dashboard[:5]
+    eval_history = dashboard.eval_history
     assert set(logged(eval_history, "eval/babilong/acc")) == {4}
     tasks = {k.split("/")[2] for row in eval_history for k in row if k.startswith("eval/babilong/qa")}
     assert tasks == {"qa1"}  # the task the checkpoint was trained on, not qa1-qa5
