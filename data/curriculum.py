@@ -3,9 +3,11 @@
 Stages over the maximum number of segments (RMT 1-2-4-6-8-16-32, RMT-R 2-4-6-8-16-32). In stage n every batch has
 k segments of `segment_size` tokens, exactly k * segment_size tokens per sample (no padding), with k ~ U{k_min..n}
 (k_min = 1 unless the task's shortest sample needs more), except that a share `mixed_length_ratio` of the batches
-has exactly k = n. A single-stage schedule with ratio 1 is the plain mode: every sample has n segments. A batch has
-`batch_size` rows, or with a token budget `batch_tokens` min(batch_size, batch_tokens // (k * segment_size)) (at
-least 1): a step of 32 segments then costs about what one of 2 does.
+has exactly k = n, and a share `facts_only_ratio` of the batches of a later stage repeats stage 0's facts alone
+(rehearsal: keeps a skill the backbone's warm start taught while it learns to search). A single-stage schedule
+with ratio 1 is the plain mode: every sample has n segments. A batch has `batch_size` rows, or with a token
+budget `batch_tokens` min(batch_size, batch_tokens // (k * segment_size)) (at least 1): a step of 32 segments then
+costs about what one of 2 does.
 Stage 0 (only first, e.g. [0, 1, 2]) is the easy start: the bAbI facts alone, no background (left-padded rows),
 validated on facts-only samples as `acc@0seg`; the model learns the task before it learns to find the facts.
 
@@ -61,10 +63,14 @@ DEFAULT_TEST_LENGTHS = (0, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 TRAIN, VALIDATION, TEST = 0, 1, 2  # seed-key tags of the three sample streams
 
 
-def draw_segments(rng: np.random.Generator, n: int, k_min: int, mixed_length_ratio: float) -> int:
-    """Segments of one batch in stage n: n with probability `mixed_length_ratio`, else k ~ U{k_min..n}.
-    Stage 0 (facts only) gives 0."""
+def draw_segments(
+    rng: np.random.Generator, n: int, k_min: int, mixed_length_ratio: float, facts_only_ratio: float = 0.0
+) -> int:
+    """Segments of one batch in stage n: 0 (facts only) with probability `facts_only_ratio`, else n with
+    probability `mixed_length_ratio`, else k ~ U{k_min..n}. Stage 0 (facts only) gives 0."""
     if n == 0:
+        return 0
+    if facts_only_ratio and rng.random() < facts_only_ratio:  # no draw at 0: the batches of earlier runs
         return 0
     if rng.random() < mixed_length_ratio:
         return n
@@ -87,10 +93,12 @@ class CurriculumBatches(Dataset):
         context_loss: bool,
         task: str,
         batch_tokens: int | None = None,
+        facts_only_ratio: float = 0.0,
     ):
         self.tasks, self.haystack, self.L, self.B = tasks, haystack, segment_size, batch_size
         self.batch_tokens = batch_tokens
-        self.ratio, self.seed, self.task = mixed_length_ratio, seed, task
+        self.ratio, self.facts_only_ratio = mixed_length_ratio, facts_only_ratio
+        self.seed, self.task = seed, task
         self.pad_id, self.context_loss = pad_id, context_loss
         shortest = int((tasks.facts_len + tasks.extra_len).min())
         self.k_min = -(-shortest // segment_size)
@@ -111,7 +119,7 @@ class CurriculumBatches(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> dict:
         n, j = key
         rng = np.random.default_rng([self.seed, TRAIN, n, j])
-        k = draw_segments(rng, n, self.k_min, self.ratio)
+        k = draw_segments(rng, n, self.k_min, self.ratio, self.facts_only_ratio)
         if k == 0:
             idx = self.tasks.draw_facts_only(rng, self.B, self.batch_tokens)
             samples = [make_sample(self.tasks, int(i), self.haystack, rng, length=0) for i in idx]
@@ -150,6 +158,7 @@ class BabilongDataModule(L.LightningDataModule):
         segment_size: int = 512,
         schedule: Sequence[int] = RMT_SCHEDULE,
         mixed_length_ratio: float = 0.0,
+        facts_only_ratio: float = 0.0,
         callback: CurriculumCallback | None = None,
         batch_size: int = 8,
         batch_tokens: int | None = None,
@@ -177,8 +186,16 @@ class BabilongDataModule(L.LightningDataModule):
                 f"schedule {list(self.schedule)} must be increasing segment counts >= 1, e.g. [1, 2, 4], "
                 "optionally after 0 (facts only, no background): [0, 1, 2]"
             )
-        if not 0.0 <= mixed_length_ratio <= 1.0:
-            raise ConfigError(f"mixed_length_ratio {mixed_length_ratio} must lie in [0, 1]")
+        for name, ratio in dict(
+            mixed_length_ratio=mixed_length_ratio, facts_only_ratio=facts_only_ratio
+        ).items():
+            if not 0.0 <= ratio <= 1.0:
+                raise ConfigError(f"{name} {ratio} must lie in [0, 1]")
+        if facts_only_ratio and 0 not in self.schedule:
+            raise ConfigError(
+                f"facts_only_ratio={facts_only_ratio} repeats stage 0 (the facts alone), but the schedule "
+                f"{list(self.schedule)} has none: start it with 0, e.g. [0, 2], or set facts_only_ratio=0."
+            )
         counts = dict(segment_size=segment_size, batch_size=batch_size, eval_batch_size=eval_batch_size)
         if batch_tokens is not None:
             counts["batch_tokens"] = batch_tokens
@@ -205,7 +222,7 @@ class BabilongDataModule(L.LightningDataModule):
             )
         self.tokenizer, self.corpus, self.callback = tokenizer, corpus, callback
         self.segment_size, self.batch_size, self.batch_tokens = segment_size, batch_size, batch_tokens
-        self.mixed_length_ratio = mixed_length_ratio
+        self.mixed_length_ratio, self.facts_only_ratio = mixed_length_ratio, facts_only_ratio
         self.n_train, self.n_val, self.n_test = n_train, n_val, n_test
         self.eval_batch_size, self.num_workers = eval_batch_size, num_workers
         self.seed, self.eval_seed, self.context_loss = seed, eval_seed, context_loss
@@ -303,6 +320,7 @@ class BabilongDataModule(L.LightningDataModule):
             self.context_loss,
             self.task,
             self.batch_tokens,
+            self.facts_only_ratio,
         )
         first = next((n for n in self.schedule if n > 0), None)
         if first is not None and self._train.k_min > first:

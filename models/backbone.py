@@ -88,6 +88,7 @@ def build_llama(
     attn_scale: float | None = None,
     alibi: bool = False,
     init_std: float = 0.02,
+    embed_init_std: float | None = None,
     weights: str | None = None,
 ) -> Llama:
     """Our Llama from flat arguments; `weights` optionally names a Hugging Face Llama folder/id to load."""
@@ -107,6 +108,7 @@ def build_llama(
             attn_scale=attn_scale,
             alibi=alibi,
             init_std=init_std,
+            embed_init_std=embed_init_std,
         )
     )
     if weights:

@@ -36,6 +36,7 @@ class LlamaConfig:
     attn_scale: float | None = None  # None: 1/sqrt(head_dim)
     alibi: bool = False  # add ALiBi's per-head linear recency bias (Press et al. 2022) to the RoPE attention
     init_std: float = 0.02
+    embed_init_std: float | None = None  # None: init_std
 
     def __post_init__(self):
         if self.hidden_size % self.n_heads:
@@ -214,7 +215,8 @@ class Llama(nn.Module):
 
     def _init(self, m: nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=self.cfg.init_std)
+            embedding = isinstance(m, nn.Embedding) and self.cfg.embed_init_std is not None
+            nn.init.normal_(m.weight, std=self.cfg.embed_init_std if embedding else self.cfg.init_std)
 
     @property
     def hidden_size(self) -> int:

@@ -56,6 +56,30 @@ def test_segment_counts_follow_uniform_with_mixed_share(ratio, k_min):
     np.testing.assert_allclose(counts / draws, expected, atol=0.01)
 
 
+def test_facts_only_share_takes_its_batches_first_and_draws_nothing_when_off():
+    """facts_only_ratio r: 0 with probability r, the other batches as before; r = 0 draws the same k as a
+    sampler without it (earlier runs keep their batches)."""
+    rng, draws = np.random.default_rng(0), 40000
+    counts = np.bincount([draw_segments(rng, 4, 1, 0.5, 0.25) for _ in range(draws)], minlength=5)
+    np.testing.assert_allclose(counts / draws, [0.25, 0.75 / 8, 0.75 / 8, 0.75 / 8, 0.75 * 5 / 8], atol=0.01)
+    a, b = np.random.default_rng(1), np.random.default_rng(1)
+    assert [draw_segments(a, 4, 1, 0.3) for _ in range(50)] == [
+        draw_segments(b, 4, 1, 0.3, 0.0) for _ in range(50)
+    ]
+
+
+def test_facts_only_share_repeats_stage_zero_and_needs_it(tok, cache):
+    dm = make_dm(tok, cache, schedule=(0, 2), facts_only_ratio=0.5)
+    ks = [dm.batch(2, j)["n_segments"] for j in range(40)]
+    assert set(ks) == {0, 1, 2} and 10 <= ks.count(0) <= 30
+    zero = next(j for j, k in enumerate(ks) if k == 0)
+    assert not bool(dm.batch(2, zero)["attention_mask"].all())  # left-padded facts alone, as stage 0's
+    with pytest.raises(ConfigError, match="has none: start it with 0"):
+        make_dm(tok, cache, schedule=(1, 2), facts_only_ratio=0.5)
+    with pytest.raises(ConfigError, match="facts_only_ratio 1.5 must lie in"):
+        make_dm(tok, cache, schedule=(0, 2), facts_only_ratio=1.5)
+
+
 def test_batches_are_same_k_unpadded_and_exactly_k_segments(tok, cache):
     dm = make_dm(tok, cache, mixed_length_ratio=0.25)
     ks = []

@@ -145,6 +145,20 @@ def test_residual_hook_sees_every_layer_boundary():
     torch.testing.assert_close(shifted, model(inputs_embeds=model.embed(ids) + d))
 
 
+def test_init_std_and_embed_init_std_draw_in_the_same_order():
+    """`embed_init_std` changes only the embeddings' scale: the same seed draws the same normals, so every other
+    weight, and the embeddings divided by their std, are the default init's."""
+    torch.manual_seed(0)
+    base = Llama(tiny_cfg(n_layers=1, hidden_size=512, vocab_size=4000))
+    torch.manual_seed(0)
+    wide = Llama(tiny_cfg(n_layers=1, hidden_size=512, vocab_size=4000, embed_init_std=1.0))
+    torch.testing.assert_close(wide.embed_tokens.weight * 0.02, base.embed_tokens.weight)
+    assert abs(wide.embed_tokens.weight.std().item() - 1.0) < 0.01
+    for (name, a), (_, b) in zip(base.named_parameters(), wide.named_parameters(), strict=True):
+        if name != "embed_tokens.weight":
+            assert torch.equal(a, b), name
+
+
 def test_bad_config_is_explained():
     with pytest.raises(ValueError, match="divisible by n_kv_heads"):
         tiny_cfg(n_kv_heads=3)

@@ -106,6 +106,11 @@ def test_babilong_tasks_default_to_the_tiny_recipe_and_command_line_values_win()
         2,
         4,
     ]
+    qa4 = compose_train(["model=rmt_r", "task=qa4"])  # its backbone variant keeps the recipe
+    assert (qa4.backbone.n_layers, qa4.backbone.init_std, qa4.backbone.embed_init_std) == (3, 0.072, 1.0)
+    assert (qa4.backbone_init, qa4.optim.lr, qa4.trainer.max_steps) == ("warm_start", 1e-3, 6000)
+    assert (qa4.task.facts_only_ratio, rmt_r.task.facts_only_ratio) == (0.25, 0.0)  # qa4's rehearsal
+    assert "init_std" not in rmt_r.backbone  # qa1's warm-start cache key is unchanged
     other = compose_train(["model=rmt_r", "task=qa1", "backbone=tiny"])  # no recipe for another backbone
     assert (other.backbone_init, other.optim.lr, list(other.task.schedule)) == (
         None,
