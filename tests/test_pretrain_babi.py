@@ -110,6 +110,7 @@ def test_babilong_tasks_default_to_the_tiny_recipe_and_command_line_values_win()
     assert (qa4.backbone.n_layers, qa4.backbone.init_std, qa4.backbone.embed_init_std) == (3, 0.072, 1.0)
     assert (qa4.backbone_init, qa4.optim.lr, qa4.trainer.max_steps) == ("warm_start", 1e-3, 6000)
     assert (qa4.task.facts_only_ratio, rmt_r.task.facts_only_ratio) == (0.25, 0.0)  # qa4's rehearsal
+    assert list(qa4.task.schedule) == [0, 1, 2]  # qa4's RMT-R goes through one segment too
     assert "init_std" not in rmt_r.backbone  # qa1's warm-start cache key is unchanged
     other = compose_train(["model=rmt_r", "task=qa1", "backbone=tiny"])  # no recipe for another backbone
     assert (other.backbone_init, other.optim.lr, list(other.task.schedule)) == (
