@@ -8,7 +8,7 @@ continues with exactly the batch it would have seen, and dataloader workers neve
   with `reset[b] = True`, so a recurrent model drops its cache exactly at document boundaries.
 Each document is `[bos] text [eos]`. Optionally (`repeat_share`) a share of the shuffled training rows are a span of
 text (or of random tokens, `repeat_random`) repeated end to end: the dense copying signal a small model needs to
-learn to copy (README, finding 2).
+learn to copy (docs/forgetting_longppl.md, finding 2).
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def repeat_spans(
     """(B, T+1) chunks, each row with probability `share` replaced by a span of k tokens repeated end to end,
     k uniform in [min_span, (T+1) // 2]: every token past the first k is the token k back. The span is the row's own
     first k tokens of text, or (with a `pool` of token ids) k tokens drawn uniformly from it: random tokens leave
-    nothing to predict but the copy, which is how a small model first learns to copy (README, finding 2)."""
+    nothing to predict but the copy, which is how a small model first learns to copy (docs/forgetting_longppl.md,
+    finding 2)."""
     out = chunks.copy()
     longest = chunks.shape[1] // 2
     for b in np.flatnonzero(rng.random(len(chunks)) < share):

@@ -221,7 +221,7 @@ def save_backbone(backbone: nn.Module, path: str | Path, backbone_cfg: DictConfi
 
 # The task whose warm start a task's own starts from (warm_start.from_task=auto): qa2 asks where the person holding
 # an object is, so it builds on qa1's who-is-where (facts-only 0.50 from random weights, 0.66 from qa1's), and qa3
-# asks where the object was before, building on qa2's (0.18 against 0.47 at step 4,500; README).
+# asks where the object was before, building on qa2's (0.18 against 0.47 at step 4,500; docs/babilong_qa2_qa5.md).
 FIRST_LEARN = {"qa2": "qa1", "qa3": "qa2"}
 
 

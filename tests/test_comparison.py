@@ -198,9 +198,9 @@ def test_evaluate_compare_evaluates_each_checkpoint_then_compares(trained, tmp_p
 def test_longppl_and_the_forgetting_curve_separate_context_windows_where_ppl_barely_does(
     tmp_path, monkeypatch
 ):
-    """SmolLM2-135M through a 32-token and a 1024-token sliding window on a KJV test book (the README's window family,
-    shortened): the full window copies and the short one does not; LongPPL grows far more than PPL. About 6 minutes
-    on one core."""
+    """SmolLM2-135M through a 32-token and a 1024-token sliding window on a KJV test book (the window family of
+    docs/forgetting_longppl.md, shortened): the full window copies and the short one does not; LongPPL grows far more
+    than PPL. About 6 minutes on one core."""
     monkeypatch.setenv("MEMLM_CACHE", str(tmp_path / "cache"))
     for window in (32, 1024):
         overrides = [
@@ -233,10 +233,10 @@ def test_longppl_and_the_forgetting_curve_separate_context_windows_where_ppl_bar
 
 @pytest.mark.slow
 def test_smollm2_as_llama_xl_copies_within_segment_and_cache_and_forgets_past_them(tmp_path, monkeypatch):
-    """The README's Llama-XL finding with a model that copies, shortened: SmolLM2-135M run as Llama-XL (its keys as
-    trained) with segments of 64 and the previous one cached copies a 48-token prefix and copies no better than it
-    predicts text at 3x segment + cache and beyond. 12 minutes on one core beside another job (with the conversion of
-    SmolLM2 into the fresh cache)."""
+    """The Llama-XL finding of docs/forgetting_longppl.md with a model that copies, shortened: SmolLM2-135M run as
+    Llama-XL (its keys as trained) with segments of 64 and the previous one cached copies a 48-token prefix and
+    copies no better than it predicts text at 3x segment + cache and beyond. 12 minutes on one core beside another
+    job (with the conversion of SmolLM2 into the fresh cache)."""
     monkeypatch.setenv("MEMLM_CACHE", str(tmp_path / "cache"))
     overrides = [
         "backbone=smollm2_135m",
@@ -383,8 +383,9 @@ def test_smollm2_fine_tuned_as_rmt_copies_within_a_segment_and_nothing_past_it(t
 
 @pytest.mark.slow
 def test_a_tiny_llama_trained_on_the_bible_at_256_has_coarse_memory_and_amnesia_past_it(tmp_path):
-    """Finding 2 of the README, shortened to 3,000 steps (12.3M tokens): a coarse-grained memory of at least a quarter
-    of the training length and amnesia at 2x and 4x it (no fine-grained memory yet). About 20 minutes on one core."""
+    """Finding 2 of docs/forgetting_longppl.md, shortened to 3,000 steps (12.3M tokens): a coarse-grained memory of
+    at least a quarter of the training length and amnesia at 2x and 4x it (no fine-grained memory yet). About 20
+    minutes on one core."""
     train_in_subprocess(
         "experiment=forgetting_llama",
         "corpus=kjv",

@@ -215,7 +215,8 @@ def test_pretraining_says_what_it_does_and_its_bar_ends_full_when_it_stops_early
 def test_the_users_command_learns_qa1_as_typed(tmp_path):
     """`python train.py model=rmt_r task=qa1` (shortened to 2,000 steps): past the 0.5 "latest-mentioned location"
     shortcut at two segments. The full run on the dev CPU: validation 0.71 at step 1,000, 0.87 at 2,000, and 0.96 /
-    0.98 on the recipe's 1,000 test stories after 6,000 (seeds 0 / 1, README); 1,000 steps were too few (0.465).
+    0.98 on the recipe's 1,000 test stories after 6,000 (seeds 0 / 1, docs/babilong_qa1.md); 1,000 steps were too few
+    (0.465).
     About 31 minutes on one core of the slower dev machine (0.94 s a step) with the warm start cached
     (`$MEMLM_CACHE/warm_start`), 25 more to build it."""
     root = Path(__file__).resolve().parents[1]
