@@ -28,7 +28,12 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=ckpt)
     metrics = dict(run.trainer.callback_metrics)  # trainer.test starts its own
     if cfg.get("test"):
-        run.trainer.test(run.module, datamodule=run.datamodule)
+        # not Lightning's table: with a test set per length it lists every metric under every dataloader
+        run.trainer.test(run.module, datamodule=run.datamodule, verbose=False)
+        tested = {
+            k: float(v) for k, v in sorted(run.trainer.callback_metrics.items()) if k.startswith("test/")
+        }
+        log.info("test: %s", ", ".join(f"{k} {v:.4g}" for k, v in tested.items()) or "no metrics")
         metrics |= run.trainer.callback_metrics
     return {k: float(v) for k, v in metrics.items()}
 

@@ -486,7 +486,8 @@ class CurriculumCallback(Callback):
             return
         if self.stage_checkpoints and trainer.checkpoint_callback is not None and not dm.last_stage:
             name = f"stage{dm.stage}-{dm.max_segments}seg.ckpt"
-            trainer.save_checkpoint(Path(trainer.checkpoint_callback.dirpath) / name)
+            path = Path(trainer.checkpoint_callback.dirpath) / name
+            trainer.save_checkpoint(path, weights_only=False)  # the full state: resumable
         if dm.advance():
             self.best, self.wait, self.stage_start_step = None, 0, trainer.global_step
         elif stalled and self.stop_after_last_stage:

@@ -5,6 +5,7 @@ exact continuation after resuming from a checkpoint, and every task/curriculum c
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from pathlib import Path
 
@@ -266,15 +267,20 @@ def test_stage_advances_on_patience_inside_one_fit(tok, cache, tmp_path):
     assert {k for _, (k, _) in probe.seen[: dm.stage_starts[1]]} == {1}
 
 
-def test_each_finished_stage_leaves_a_checkpoint_of_its_end(tok, cache, tmp_path):
+def test_each_finished_stage_leaves_a_checkpoint_of_its_end(tok, cache, tmp_path, caplog):
     dm = make_dm(tok, cache, callback=CurriculumCallback(patience=1))
-    fit(dm, Probe(lambda step: 0.5), 12, tmp_path, checkpoint=True)  # stages end at the validations of 4, 8
+    with caplog.at_level(logging.INFO):
+        fit(
+            dm, Probe(lambda step: 0.5), 12, tmp_path, checkpoint=True
+        )  # stages end at the validations of 4, 8
+    assert "weights_only" not in caplog.text  # saved as a full state on purpose, without Lightning's note
     names = sorted(p.name for p in tmp_path.glob("stage*.ckpt"))  # not the last stage: last.ckpt holds it
     assert names == [f"stage0-{dm.schedule[0]}seg.ckpt", f"stage1-{dm.schedule[1]}seg.ckpt"]
     for i, (name, step) in enumerate(zip(names, (4, 8), strict=True)):
         ckpt = torch.load(tmp_path / name, weights_only=False)
         assert ckpt["global_step"] == step
         assert ckpt["BabilongDataModule"]["stage"] == i  # saved before the stage advanced: resumes in it
+        assert ckpt["optimizer_states"]  # the full state: a run resumes from it
 
 
 def test_stage_advances_on_step_budget(tok, cache, tmp_path):

@@ -29,6 +29,7 @@ def test_output_to_a_file_gets_progress_lines_where_things_went_and_no_noise(tmp
         "trainer.max_steps=6",
         "trainer.val_check_interval=3",
         "callbacks.progress_log.every_n_steps=2",
+        "test=true",
     ]
     env = {**os.environ, "WANDB_MODE": "offline", "TERM": "xterm-256color"}
     with open(tmp_path / "log.txt", "w") as out:
@@ -41,6 +42,8 @@ def test_output_to_a_file_gets_progress_lines_where_things_went_and_no_noise(tmp
     )
     assert steps == ["2", "4", "6"], log
     assert re.findall(r"validation at step (\d): val/loss [\d.]+, val/ppl [\d.e+]+", log) == ["3", "6"]
+    # the test set's metrics on one line, not Lightning's table (which repeats them under every dataloader)
+    assert re.search(r"test: test/loss [\d.]+, test/ppl [\d.e+]+", log)
     assert f"Run folder: {run_dir}" in log  # at the start
     written = log.split(f"Written under {run_dir}:")[1]  # at the end
     assert (
@@ -49,7 +52,7 @@ def test_output_to_a_file_gets_progress_lines_where_things_went_and_no_noise(tmp
     )
     assert re.search(r"wandb/offline-run-\S+: upload with `wandb sync \S+/wandb/offline-run-", written)
     assert re.search(r"wall time 0:0\d:\d\d \(all of it", log)  # the whole run's time, at its end
-    for noise in ("Epoch", "Tip:", "LeafSpec", "\x1b[", "Traceback"):
+    for noise in ("Epoch", "Tip:", "LeafSpec", "\x1b[", "Traceback", "DataLoader"):
         assert noise not in log, noise
 
 
