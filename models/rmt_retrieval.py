@@ -6,20 +6,15 @@ all of them with single-head cross-attention (pre-norms, residual, MLP, as in th
     Q = LN(M_{t-1}) W_Q,  K, V = LN([M_0 .. M_{t-1}]) W_K, W_V,  R_t = M_{t-1} + softmax(QK^T / sqrt(d)) V W_O
     R_t = R_t + MLP(LN(R_t))
 
-and the backbone runs [M_{t-1}; R_t; X_t; M_{t-1}] (read memory 2m, write memory last). The bank holds each state
-normalised once, H = LN([M_0 .. M_{t-1}]), and the projections move off it, exactly: with K = H W_K + b_K,
-Q K^T = (Q W_K^T) H^T + Q b_K^T, the last term the same for every entry (the softmax drops it), and with
-V = H W_V + b_V, softmax(.) V = (softmax(.) H) W_V + b_V (the weights sum to 1). So the bank is one (B, S, D) tensor read once per segment (one fused attention), not keys and values: half
-the memory and the traffic of the retrieval, which is what 1M-token streams spend their time on. It grows as
-n x m x d; retrieval costs O(m x n m) per segment. Truncated backprop through time (k2 >= 0) detaches the bank
-with the memory, so no gradient crosses more than k2 transitions through retrieval either (the reference
-implementation refuses k2).
+and the backbone runs [M_{t-1}; R_t; X_t; M_{t-1}] (read memory 2m, write memory last). The bank holds the keys and
+values of each state (projected once, when the state is made), so it grows as n x m x d; retrieval costs
+O(m x n m) per segment. Truncated backprop through time (k2 >= 0) detaches the bank with the memory, so no
+gradient crosses more than k2 transitions through retrieval either (the reference implementation refuses k2).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.config_errors import ConfigError
@@ -37,26 +32,22 @@ class MemoryRetrieval(nn.Module):
         self.v_proj, self.o_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim))
 
-    def normalised(self, memory: Tensor) -> Tensor:
-        """What the bank stores of a state (B, m, D): LN(M), its keys' and values' common input."""
-        return self.norm_kv(memory)
-
-    def folded_query(self, memory: Tensor) -> Tensor:
-        """Q W_K^T (B, m, D): its dot product with LN(M_j) is q . k_j less q . b_K, the same for every j."""
-        return self.q_proj(self.norm_q(memory)) @ self.k_proj.weight
+    def keys_values(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """What the bank stores of a state (B, m, D): its keys and values, each (B, m, D)."""
+        h = self.norm_kv(memory)
+        return self.k_proj(h), self.v_proj(h)
 
     def attention(self, memory: Tensor, bank: MemoryBank) -> Tensor:
         """Attention probabilities (B, m, S) of each memory token over the bank's valid entries."""
-        q = self.folded_query(memory)
+        q = self.q_proj(self.norm_q(memory))  # (B, m, D)
         mask = q.new_zeros(bank.valid.shape).masked_fill_(~bank.valid, float("-inf"))[:, None, :]  # (B, 1, S)
-        return torch.baddbmm(mask, q, bank.states.transpose(1, 2), alpha=q.shape[-1] ** -0.5).softmax(-1)
+        # mask + q K^T / sqrt(D) in one pass over the bank (what 1M-token streams spend their time on): (B, m, S)
+        scores = torch.baddbmm(mask, q, bank.keys.transpose(1, 2), alpha=q.shape[-1] ** -0.5)
+        return scores.softmax(-1)
 
     def forward(self, memory: Tensor, bank: MemoryBank) -> Tensor:
-        """Retrieved states R_t (B, m, D): softmax(Q K^T / sqrt(D)) V in one fused pass over the bank."""
-        q = self.folded_query(memory)[:, None]  # (B, 1, m, D)
-        states = bank.states[:, None].to(q.dtype)  # (B, 1, S, D); a no-op outside autocast
-        mixed = F.scaled_dot_product_attention(q, states, states, attn_mask=bank.valid[:, None, None, :])
-        r = memory + self.o_proj(self.v_proj(mixed[:, 0]))
+        """Retrieved states R_t (B, m, D)."""
+        r = memory + self.o_proj(self.attention(memory, bank) @ bank.values)
         return r + self.mlp(self.norm_mlp(r))
 
 
@@ -78,9 +69,9 @@ class RMTRetrieval(RMT):
         super().__init__(backbone, num_memory, segment_size, k2, checkpoint_segments, alibi_free_memory)
         self.retrieval = MemoryRetrieval(backbone.hidden_size, retrieval_mlp_ratio).to(self.memory.device)
 
-    def _entry(self, memory: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    def _entry(self, memory: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Bank entry of a state (B, m, D) for the rows where valid (B,)."""
-        return self.retrieval.normalised(memory), valid[:, None].expand(-1, memory.shape[1])
+        return *self.retrieval.keys_values(memory), valid[:, None].expand(-1, memory.shape[1])
 
     def initial_state(self, batch_size: int) -> MemoryState:
         memory = super().initial_state(batch_size).memory
