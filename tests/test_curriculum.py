@@ -269,10 +269,8 @@ def test_stage_advances_on_patience_inside_one_fit(tok, cache, tmp_path):
 
 def test_each_finished_stage_leaves_a_checkpoint_of_its_end(tok, cache, tmp_path, caplog):
     dm = make_dm(tok, cache, callback=CurriculumCallback(patience=1))
-    with caplog.at_level(logging.INFO):
-        fit(
-            dm, Probe(lambda step: 0.5), 12, tmp_path, checkpoint=True
-        )  # stages end at the validations of 4, 8
+    with caplog.at_level(logging.INFO):  # stages end at the validations of 4, 8
+        fit(dm, Probe(lambda step: 0.5), 12, tmp_path, checkpoint=True)
     assert "weights_only" not in caplog.text  # saved as a full state on purpose, without Lightning's note
     names = sorted(p.name for p in tmp_path.glob("stage*.ckpt"))  # not the last stage: last.ckpt holds it
     assert names == [f"stage0-{dm.schedule[0]}seg.ckpt", f"stage1-{dm.schedule[1]}seg.ckpt"]
