@@ -11,6 +11,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from callbacks.progress import metrics_line
 from models import cli
 from models.builders import build_run, register_resolvers
 from models.run_config import prepare_run, save_run_config
@@ -30,10 +31,7 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     if cfg.get("test"):
         # not Lightning's table: with a test set per length it lists every metric under every dataloader
         run.trainer.test(run.module, datamodule=run.datamodule, verbose=False)
-        tested = {
-            k: float(v) for k, v in sorted(run.trainer.callback_metrics.items()) if k.startswith("test/")
-        }
-        log.info("test: %s", ", ".join(f"{k} {v:.4g}" for k, v in tested.items()) or "no metrics")
+        log.info("test: %s", metrics_line(run.trainer.callback_metrics, "test/"))
         metrics |= run.trainer.callback_metrics
     return {k: float(v) for k, v in metrics.items()}
 

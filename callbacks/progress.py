@@ -72,9 +72,15 @@ class ProgressLog(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.active or trainer.sanity_checking:
             return
-        metrics = {k: float(v) for k, v in sorted(trainer.callback_metrics.items()) if k.startswith("val/")}
-        listed = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
-        log.info("validation at step %d: %s", trainer.global_step, listed or "no metrics")
+        log.info(
+            "validation at step %d: %s", trainer.global_step, metrics_line(trainer.callback_metrics, "val/")
+        )
+
+
+def metrics_line(metrics: dict, prefix: str) -> str:
+    """`val/loss 3.2, val/ppl 24.5`: the metrics named `prefix...`, sorted, one line (or "no metrics")."""
+    listed = ", ".join(f"{k} {float(v):.4g}" for k, v in sorted(metrics.items()) if k.startswith(prefix))
+    return listed or "no metrics"
 
 
 def progress_line(trainer: L.Trainer, step: int, elapsed: float, done: int) -> str:
