@@ -6,7 +6,10 @@ validates every `trainer.val_check_interval` steps).
 On CUDA (`--device cuda`) both run in bf16 autocast (Lightning's `bf16-mixed`).
 
     python -m bench.babilong_step [--model rmt_r] [--segments 2] [--steps 60] [--workers 2] [--threads 1]
-        [--device cuda]
+        [--device cuda] [--compile]
+
+`--compile` runs both with the backbone under `torch.compile` (train.py's `compile=true`; the first steps compile and
+are left out of the timing with the warmup).
 
 Prints seconds per step of each, their ratio (target: Lightning / torch <= 1.2) and validation's share per step.
 """
@@ -41,6 +44,7 @@ def compose_main_job(args, run_dir: str):
         f"threads={args.threads}",
         f"trainer.accelerator={'gpu' if args.device == 'cuda' else 'cpu'}",
         f"run_dir={run_dir}",
+        f"compile={str(args.compile).lower()}",
     ]
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
         return compose("train", overrides=overrides)
@@ -64,6 +68,8 @@ def torch_step(cfg, args) -> float:
     tokenizer = instantiate(cfg.tokenizer)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, tokenizer).train()
+    if args.compile:
+        model.backbone.compile()  # as build_run does with compile=true
     loss_fn = instantiate(cfg.loss)
     data = instantiate(cfg.task, _partial_=True)(tokenizer=tokenizer, corpus=instantiate(cfg.corpus))
     data.num_workers = 0
@@ -103,6 +109,7 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch threads (train.py's threads=; tiny models: 1)"
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--compile", action="store_true", help="torch.compile the backbone (compile=true)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as run_dir:
@@ -112,7 +119,7 @@ def main() -> None:
     every = recipe["val_every"]
     print(
         f"{args.model}, batch {cfg.task.batch_size} x {args.segments} segments of {cfg.model.segment_size} tokens, "
-        f"{args.threads} thread(s), {args.workers} data workers, {args.device}:\n"
+        f"{args.threads} thread(s), {args.workers} data workers, {args.device}{', compiled' * args.compile}:\n"
         f"  Lightning run (train.py's)  {lit * 1000:7.1f} ms/step\n"
         f"  hand-written torch loop     {hand * 1000:7.1f} ms/step   ratio {lit / hand:.3f} (target <= 1.2)\n"
         f"  one validation              {val:7.2f} s = {val / every * 1000:.1f} ms/step at one every {every} steps"

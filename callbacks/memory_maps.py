@@ -156,7 +156,9 @@ def attention_maps(model: RMT, state: MemoryState, input_ids: Tensor, mask: Tens
 
     handles = [layer.self_attn.register_forward_hook(capture) for layer in backbone.layers]
     try:
-        model.run_segment(state, input_ids, mask)
+        # eager even where the backbone is compiled (compile=true): the hooks must see every attention layer's inputs
+        with torch.compiler.set_stance("force_eager"):
+            model.run_segment(state, input_ids, mask)
     finally:
         for h in handles:
             h.remove()
