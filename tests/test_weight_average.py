@@ -10,7 +10,7 @@ import torch
 
 from callbacks.checkpoint import load_checkpoint
 from callbacks.weight_average import TrainedWeightsEMA
-from models.builders import build_run
+from models.builders import Run, build_run
 from models.config_errors import ConfigError
 from tests.test_faults import CrashAt, compose_train, read_metrics, tiny_overrides
 from train import train
@@ -37,17 +37,18 @@ class RecordWeights(L.Callback):
         self.tested = self.weights(pl_module)
 
 
-def fit(run_dir: Path, max_steps: int, *extra: str, crash_at: int | None = None) -> RecordWeights:
+def fit(run_dir: Path, max_steps: int, *extra: str, crash_at: int | None = None) -> tuple[Run, RecordWeights]:
+    """A tiny LM run (validation every 2 steps) with its weights recorded."""
     run = build_run(compose_train(tiny_overrides(run_dir, max_steps, 2, *extra)))
     record = RecordWeights()
     run.trainer.callbacks += [record] + ([CrashAt(crash_at)] if crash_at else [])
     run.trainer.fit(run.module, datamodule=run.datamodule)
-    return record
+    return run, record
 
 
 def test_the_run_takes_the_same_steps_and_its_checkpoint_holds_the_ema(tmp_path):
     # 7 steps, validation every 2: the last checkpoint is written at the end of training, after on_train_end
-    plain, averaged = fit(tmp_path / "plain", 7), fit(tmp_path / "ema", 7, *EMA)
+    (_, plain), (_, averaged) = fit(tmp_path / "plain", 7), fit(tmp_path / "ema", 7, *EMA)
     # validation sees the trained weights
     assert read_metrics(tmp_path / "plain") == read_metrics(tmp_path / "ema")
     for a, b in zip(plain.after_step, averaged.after_step, strict=True):
@@ -76,10 +77,7 @@ def test_a_resumed_run_continues_the_average_exactly(tmp_path):
 
 
 def test_the_test_after_training_sees_the_average_and_training_resumes_from_the_trained_weights(tmp_path):
-    run = build_run(compose_train(tiny_overrides(tmp_path, 4, 2, *EMA)))
-    record = RecordWeights()
-    run.trainer.callbacks.append(record)
-    run.trainer.fit(run.module, datamodule=run.datamodule)
+    run, record = fit(tmp_path, 4, *EMA)
     run.trainer.test(run.module, datamodule=run.datamodule, verbose=False)
     ckpt = load_checkpoint(tmp_path / "checkpoints/last.ckpt")
     assert all(torch.equal(record.tested[k], ckpt["state_dict"][k]) for k in record.tested)
