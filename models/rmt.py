@@ -10,6 +10,11 @@ and the backbone's last (final-normed) hidden states at the write positions beco
 implementation, where M_t is `hidden_states[-1]` of the HF model, i.e. the output of the final norm. M_0 is a
 learned (m, D) parameter, initialised normal with the token embeddings' std.
 
+`memory_scale` s multiplies the read and write memory as they enter the backbone, [s M_{t-1}; X_t; s M_{t-1}]
+(M_t itself stays the final-normed output): the final norm writes memory at about sqrt(D) per token while the
+layers add updates of several times that to its residual stream, so with s = 1 every segment rewrites most of what
+the memory carried; s of about 16 puts it at the stream's scale (docs/babilong_long_stages.md).
+
 Positions count memory and real tokens: read memory 0..r-1, then the segment's real tokens, then the write memory
 (padding shifts nothing); memory is always attended, padding never. A row whose segment is all padding keeps its
 memory, so extra left padding changes no result.
@@ -48,8 +53,13 @@ class RMT(nn.Module):
         k2: int = -1,
         checkpoint_segments: bool = False,
         alibi_free_memory: bool = False,
+        memory_scale: float = 1.0,
     ):
         super().__init__()
+        if not memory_scale > 0:
+            raise ConfigError(
+                f"memory_scale multiplies the memory fed to the backbone: it must be > 0, got {memory_scale}"
+            )
         if num_memory < 0:
             raise ConfigError(f"num_memory must be >= 0, got {num_memory}")
         if segment_size < 1:
@@ -67,6 +77,7 @@ class RMT(nn.Module):
                 "backbone with ALiBi (backbone.alibi=true, as backbone=tiny_babi)"
             )
         self.alibi_free_memory = alibi_free_memory
+        self.memory_scale = memory_scale
         with torch.no_grad():
             ids = torch.arange(backbone.vocab_size, device=_device_of(backbone))
             emb = backbone.embed(ids)
@@ -113,8 +124,9 @@ class RMT(nn.Module):
         per-layer hook). Returns the tokens' hidden states (B, L, D) and the next state (None when `write` is False,
         as when generating).
         """
-        read = self.read_memory(state)  # (B, r, D)
-        parts = [read, self.backbone.embed(input_ids)] + ([self.write_memory(state)] if write else [])
+        read = self.read_memory(state) * self.memory_scale  # (B, r, D)
+        write_in = [self.write_memory(state) * self.memory_scale] if write else []
+        parts = [read, self.backbone.embed(input_ids), *write_in]
         x = torch.cat(parts, 1)  # (B, r + L [+ m], D)
         r, L = read.shape[1], input_ids.shape[1]
         if mask is None or bool(mask.all()):
@@ -272,6 +284,7 @@ def build_rmt(
     k2: int = -1,
     checkpoint_segments: bool = False,
     alibi_free_memory: bool = False,
+    memory_scale: float = 1.0,
 ) -> RMT:
     """Hydra target of configs/model/rmt.yaml: `hydra.utils.instantiate(cfg.model, backbone=backbone)`."""
-    return RMT(backbone, num_memory, segment_size, k2, checkpoint_segments, alibi_free_memory)
+    return RMT(backbone, num_memory, segment_size, k2, checkpoint_segments, alibi_free_memory, memory_scale)

@@ -63,10 +63,13 @@ class RMTRetrieval(RMT):
         checkpoint_segments: bool = False,
         retrieval_mlp_ratio: int = 4,
         alibi_free_memory: bool = False,
+        memory_scale: float = 1.0,
     ):
         if num_memory < 1:
             raise ConfigError(f"RMT-R retrieves memory states, so num_memory must be >= 1, got {num_memory}")
-        super().__init__(backbone, num_memory, segment_size, k2, checkpoint_segments, alibi_free_memory)
+        super().__init__(
+            backbone, num_memory, segment_size, k2, checkpoint_segments, alibi_free_memory, memory_scale
+        )
         self.retrieval = MemoryRetrieval(backbone.hidden_size, retrieval_mlp_ratio).to(self.memory.device)
 
     def _entry(self, memory: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -99,8 +102,16 @@ def build_rmt_r(
     checkpoint_segments: bool = False,
     retrieval_mlp_ratio: int = 4,
     alibi_free_memory: bool = False,
+    memory_scale: float = 1.0,
 ) -> RMTRetrieval:
     """Hydra target of configs/model/rmt_r.yaml: `hydra.utils.instantiate(cfg.model, backbone=backbone)`."""
     return RMTRetrieval(
-        backbone, num_memory, segment_size, k2, checkpoint_segments, retrieval_mlp_ratio, alibi_free_memory
+        backbone,
+        num_memory,
+        segment_size,
+        k2,
+        checkpoint_segments,
+        retrieval_mlp_ratio,
+        alibi_free_memory,
+        memory_scale,
     )

@@ -70,16 +70,18 @@ def test_zero_memory_one_segment_equals_backbone():
     torch.testing.assert_close(out.logits, expected)
 
 
-def test_segments_equal_hand_built_forwards():
-    """[M; X_t; M] per segment, split from the right, new memory = last hidden states at the write positions."""
+@pytest.mark.parametrize("scale", [1.0, 8.0])
+def test_segments_equal_hand_built_forwards(scale):
+    """[s M; X_t; s M] per segment, split from the right, new memory = last hidden states at the write positions
+    (s = memory_scale: the memory is fed scaled, and carried as the backbone wrote it)."""
     torch.manual_seed(0)
     bb = tiny_backbone().eval()
     m, L = 3, 5
-    model = RMT(bb, num_memory=m, segment_size=L).eval()
+    model = RMT(bb, num_memory=m, segment_size=L, memory_scale=scale).eval()
     ids = torch.randint(0, V, (2, 13))  # segments of 3, 5, 5 tokens
     memory, logits = model.memory.expand(2, -1, -1), []
     for a, b in [(0, 3), (3, 8), (8, 13)]:
-        hidden = bb(inputs_embeds=torch.cat([memory, bb.embed(ids[:, a:b]), memory], 1))
+        hidden = bb(inputs_embeds=torch.cat([scale * memory, bb.embed(ids[:, a:b]), scale * memory], 1))
         logits.append(bb.head(hidden[:, m : m + b - a]))
         memory = hidden[:, m + b - a :]
     out = model(lm_batch(ids))
@@ -277,6 +279,8 @@ def test_builder_and_bad_arguments():
         RMT(tiny_backbone(), num_memory=4, segment_size=0)
     with pytest.raises(ValueError, match="num_memory must be >= 1"):
         RMTRetrieval(tiny_backbone(), num_memory=0, segment_size=8)
+    with pytest.raises(ValueError, match="memory_scale .* must be > 0, got 0"):
+        RMT(tiny_backbone(), num_memory=4, segment_size=8, memory_scale=0)
 
 
 @pytest.mark.parametrize("cls", [RMT, RMTRetrieval, active_armt])

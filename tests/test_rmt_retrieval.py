@@ -5,6 +5,7 @@ Padding, streaming, truncated BPTT and generation are tested for RMT and RMT-R t
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -31,18 +32,20 @@ def retrieve_by_hand(model: RMTRetrieval, memory: torch.Tensor, past: list[torch
     return out + r.mlp(F.layer_norm(out, (out.shape[-1],), r.norm_mlp.weight, r.norm_mlp.bias))
 
 
-def test_segments_equal_hand_built_forwards_with_retrieval():
-    """Each segment runs [M_{t-1}; R_t; X_t; M_{t-1}], R_t retrieved from [M_0 .. M_{t-1}]."""
+@pytest.mark.parametrize("scale", [1.0, 8.0])
+def test_segments_equal_hand_built_forwards_with_retrieval(scale):
+    """Each segment runs s [M_{t-1}; R_t; X_t; M_{t-1}] (s = memory_scale on the memory parts only), R_t
+    retrieved from the unscaled [M_0 .. M_{t-1}]."""
     torch.manual_seed(0)
     bb = tiny_backbone().eval()
     m, L = 2, 4
-    model = RMTRetrieval(bb, num_memory=m, segment_size=L).eval()
+    model = RMTRetrieval(bb, num_memory=m, segment_size=L, memory_scale=scale).eval()
     ids = torch.randint(0, V, (2, 10))  # segments of 2, 4, 4 tokens
     memory = model.memory.expand(2, -1, -1)
     past, logits = [memory], []
     for a, b in [(0, 2), (2, 6), (6, 10)]:
         read = torch.cat([memory, retrieve_by_hand(model, memory, past)], 1)
-        hidden = bb(inputs_embeds=torch.cat([read, bb.embed(ids[:, a:b]), memory], 1))
+        hidden = bb(inputs_embeds=torch.cat([scale * read, bb.embed(ids[:, a:b]), scale * memory], 1))
         logits.append(bb.head(hidden[:, 2 * m : 2 * m + b - a]))
         memory = hidden[:, 2 * m + b - a :]
         past.append(memory)
