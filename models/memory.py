@@ -2,8 +2,9 @@
 for ARMT the per-layer associative memory.
 
 Small typed objects instead of tuples of tensors (see CONVENTIONS: "Memory state is a small typed object").
-The bank keeps what retrieval needs of every past state [M_0 .. M_{t-1}]: its keys and values (B, S, D), S = t*m,
-plus a validity mask (B, S) (False for entries of rows that were padding in that segment or that restarted).
+The bank keeps what retrieval needs of every past state [M_0 .. M_{t-1}]: the normed states (B, S, D), S = t*m,
+that its keys and values are projections of, plus a validity mask (B, S) (False for entries of rows that were
+padding in that segment or that restarted).
 The associative memory has a fixed size, however much was written (models/associative.py).
 """
 
@@ -17,47 +18,38 @@ from torch import Tensor
 
 @dataclass
 class MemoryBank:
-    """Keys/values (B, capacity, D) of past memory states; the first `size` entries are filled.
+    """Normed past states (B, capacity, D), what RMT-R's keys and values are projected from; the first `size` are filled.
 
     With gradients on, `append` builds new tensors (autograd needs the old ones unchanged); without gradients it
     writes in place into a buffer that doubles when full, so streaming n segments costs O(n) copies, not O(n^2).
     """
 
-    keys_buffer: Tensor  # (B, capacity, D)
-    values_buffer: Tensor  # (B, capacity, D)
+    states_buffer: Tensor  # (B, capacity, D)
     valid_buffer: Tensor  # (B, capacity) bool
     size: int
 
     @classmethod
-    def start(cls, keys: Tensor, values: Tensor, valid: Tensor) -> MemoryBank:
-        """A bank holding one state: keys, values (B, m, D), valid (B, m)."""
-        return cls(keys, values, valid, keys.shape[1])
+    def start(cls, states: Tensor, valid: Tensor) -> MemoryBank:
+        """A bank holding one memory state: states (B, m, D), valid (B, m)."""
+        return cls(states, valid, states.shape[1])
 
     @property
-    def keys(self) -> Tensor:  # (B, S, D)
-        return self.keys_buffer[:, : self.size]
-
-    @property
-    def values(self) -> Tensor:  # (B, S, D)
-        return self.values_buffer[:, : self.size]
+    def states(self) -> Tensor:  # (B, S, D)
+        return self.states_buffer[:, : self.size]
 
     @property
     def valid(self) -> Tensor:  # (B, S)
         return self.valid_buffer[:, : self.size]
 
-    def append(self, keys: Tensor, values: Tensor, valid: Tensor) -> MemoryBank:
-        """The bank with one more state appended: keys, values (B, m, D), valid (B, m)."""
-        n = keys.shape[1]
+    def append(self, states: Tensor, valid: Tensor) -> MemoryBank:
+        """The bank with one more memory state appended: states (B, m, D), valid (B, m)."""
+        n = states.shape[1]
         if torch.is_grad_enabled():
             return MemoryBank(
-                torch.cat([self.keys, keys], 1),
-                torch.cat([self.values, values], 1),
-                torch.cat([self.valid, valid], 1),
-                self.size + n,
+                torch.cat([self.states, states], 1), torch.cat([self.valid, valid], 1), self.size + n
             )
-        bank = self if self.size + n <= self.keys_buffer.shape[1] else self._grown(2 * (self.size + n))
-        bank.keys_buffer[:, bank.size : bank.size + n] = keys
-        bank.values_buffer[:, bank.size : bank.size + n] = values
+        bank = self if self.size + n <= self.states_buffer.shape[1] else self._grown(2 * (self.size + n))
+        bank.states_buffer[:, bank.size : bank.size + n] = states
         bank.valid_buffer[:, bank.size : bank.size + n] = valid
         bank.size += n
         return bank
@@ -68,23 +60,21 @@ class MemoryBank:
             new[:, : self.size] = t[:, : self.size]
             return new
 
-        return MemoryBank(
-            grow(self.keys_buffer), grow(self.values_buffer), grow(self.valid_buffer), self.size
-        )
+        return MemoryBank(grow(self.states_buffer), grow(self.valid_buffer), self.size)
 
     def invalidate(self, rows: Tensor) -> MemoryBank:
         """The bank with every entry of the rows where `rows` (B,) is True marked invalid."""
-        return MemoryBank(self.keys, self.values, self.valid & ~rows[:, None], self.size)
+        return MemoryBank(self.states, self.valid & ~rows[:, None], self.size)
 
     def compact(self) -> MemoryBank:
         """The bank without the entries that no row can use any more (invalid in every row)."""
         keep = self.valid.any(0)  # (S,)
         if bool(keep.all()):
             return self
-        return MemoryBank(self.keys[:, keep], self.values[:, keep], self.valid[:, keep], int(keep.sum()))
+        return MemoryBank(self.states[:, keep], self.valid[:, keep], int(keep.sum()))
 
     def detach(self) -> MemoryBank:
-        return MemoryBank(self.keys.detach(), self.values.detach(), self.valid, self.size)
+        return MemoryBank(self.states.detach(), self.valid, self.size)
 
 
 @dataclass

@@ -6,15 +6,19 @@ all of them with single-head cross-attention (pre-norms, residual, MLP, as in th
     Q = LN(M_{t-1}) W_Q,  K, V = LN([M_0 .. M_{t-1}]) W_K, W_V,  R_t = M_{t-1} + softmax(QK^T / sqrt(d)) V W_O
     R_t = R_t + MLP(LN(R_t))
 
-and the backbone runs [M_{t-1}; R_t; X_t; M_{t-1}] (read memory 2m, write memory last). The bank holds the keys and
-values of each state (projected once, when the state is made), so it grows as n x m x d; retrieval costs
-O(m x n m) per segment. Truncated backprop through time (k2 >= 0) detaches the bank with the memory, so no
-gradient crosses more than k2 transitions through retrieval either (the reference implementation refuses k2).
+and the backbone runs [M_{t-1}; R_t; X_t; M_{t-1}] (read memory 2m, write memory last). The bank holds H = LN(M) of
+each state (normed once, when the state is made), so it grows as n x m x d; retrieval costs O(m x n m) per segment.
+The projections move off the bank, exactly: q k^T = (q W_K) h^T + q b_K, and a shift per query leaves the softmax
+as it is; the weights P sum to 1, so P (H W_V^T + b_V) = (P H) W_V^T + b_V. One attention pass then reads one
+tensor, H, as both keys and values (where a 1M-token evaluation spends its time: bench/retrieval_floor.py).
+Truncated backprop through time (k2 >= 0) detaches the bank with the memory, so no gradient crosses more than k2
+transitions through retrieval either (the reference implementation refuses k2).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.config_errors import ConfigError
@@ -32,22 +36,18 @@ class MemoryRetrieval(nn.Module):
         self.v_proj, self.o_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim))
 
-    def keys_values(self, memory: Tensor) -> tuple[Tensor, Tensor]:
-        """What the bank stores of a state (B, m, D): its keys and values, each (B, m, D)."""
-        h = self.norm_kv(memory)
-        return self.k_proj(h), self.v_proj(h)
-
-    def attention(self, memory: Tensor, bank: MemoryBank) -> Tensor:
-        """Attention probabilities (B, m, S) of each memory token over the bank's valid entries."""
-        q = self.q_proj(self.norm_q(memory))  # (B, m, D)
-        mask = q.new_zeros(bank.valid.shape).masked_fill_(~bank.valid, float("-inf"))[:, None, :]  # (B, 1, S)
-        # mask + q K^T / sqrt(D) in one pass over the bank (what 1M-token streams spend their time on): (B, m, S)
-        scores = torch.baddbmm(mask, q, bank.keys.transpose(1, 2), alpha=q.shape[-1] ** -0.5)
-        return scores.softmax(-1)
+    def bank_entry(self, memory: Tensor) -> Tensor:
+        """What the bank stores of a state (B, m, D): LN(M), (B, m, D)."""
+        return self.norm_kv(memory)
 
     def forward(self, memory: Tensor, bank: MemoryBank) -> Tensor:
-        """Retrieved states R_t (B, m, D)."""
-        r = memory + self.o_proj(self.attention(memory, bank) @ bank.values)
+        """Retrieved states R_t (B, m, D) from the bank's valid entries."""
+        q = self.q_proj(self.norm_q(memory)) @ self.k_proj.weight  # (B, m, D): q W_K, scored against H
+        h = bank.states[:, None]  # (B, 1, S, D): one head, keys = values = H
+        read = F.scaled_dot_product_attention(q[:, None], h, h, attn_mask=bank.valid[:, None, None])[
+            :, 0
+        ]  # P H
+        r = memory + self.o_proj(self.v_proj(read))
         return r + self.mlp(self.norm_mlp(r))
 
 
@@ -72,9 +72,9 @@ class RMTRetrieval(RMT):
         )
         self.retrieval = MemoryRetrieval(backbone.hidden_size, retrieval_mlp_ratio).to(self.memory.device)
 
-    def _entry(self, memory: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _entry(self, memory: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         """Bank entry of a state (B, m, D) for the rows where valid (B,)."""
-        return *self.retrieval.keys_values(memory), valid[:, None].expand(-1, memory.shape[1])
+        return self.retrieval.bank_entry(memory), valid[:, None].expand(-1, memory.shape[1])
 
     def initial_state(self, batch_size: int) -> MemoryState:
         memory = super().initial_state(batch_size).memory

@@ -175,10 +175,10 @@ def test_rmt_r_streaming_matches_cpu_and_keeps_its_bank_on_the_device(device):
     with torch.no_grad():
         for a, b in model.segment_bounds(ids.shape[1]):
             _, state = model.run_segment(state, ids[:, a:b], None)
-            capacities.add(state.bank.keys_buffer.shape[1])
+            capacities.add(state.bank.states_buffer.shape[1])
     bank = state.bank
     assert bank.size == 41 * 2 and len(capacities) >= 4  # M_0 .. M_40; the buffer doubled several times
-    tensors = (state.memory, bank.keys_buffer, bank.values_buffer, bank.valid_buffer)
+    tensors = (state.memory, bank.states_buffer, bank.valid_buffer)
     assert all(t.device.type == kind(device) for t in tensors)
 
 

@@ -35,11 +35,11 @@ def retrieve_by_hand(model: RMTRetrieval, memory: torch.Tensor, past: list[torch
 @pytest.mark.parametrize("scale", [1.0, 8.0])
 def test_segments_equal_hand_built_forwards_with_retrieval(scale):
     """Each segment runs s [M_{t-1}; R_t; X_t; M_{t-1}] (s = memory_scale on the memory parts only), R_t
-    retrieved from the unscaled [M_0 .. M_{t-1}]."""
+    retrieved from the unscaled [M_0 .. M_{t-1}] by the paper's formula; the gradients of every weight agree too."""
     torch.manual_seed(0)
-    bb = tiny_backbone().eval()
+    bb = tiny_backbone()
     m, L = 2, 4
-    model = RMTRetrieval(bb, num_memory=m, segment_size=L, memory_scale=scale).eval()
+    model = RMTRetrieval(bb, num_memory=m, segment_size=L, memory_scale=scale)
     ids = torch.randint(0, V, (2, 10))  # segments of 2, 4, 4 tokens
     memory = model.memory.expand(2, -1, -1)
     past, logits = [memory], []
@@ -51,7 +51,14 @@ def test_segments_equal_hand_built_forwards_with_retrieval(scale):
         past.append(memory)
     labels = torch.cat([ids[:, 1:], ids[:, -1:]], 1)
     out = model({"input_ids": ids, "labels": labels})
-    torch.testing.assert_close(out.logits, torch.cat(logits, 1).flatten(0, 1), atol=1e-5, rtol=1e-5)
+    expected = torch.cat(logits, 1).flatten(0, 1)
+    torch.testing.assert_close(out.logits, expected, atol=1e-5, rtol=1e-5)
+    weights = torch.randn_like(expected)
+    params = [p for p in model.parameters() if p.requires_grad]
+    got = torch.autograd.grad((out.logits * weights).sum(), params, allow_unused=True)
+    ref = torch.autograd.grad((expected * weights).sum(), params)
+    for p, g, r in zip(params, got, ref, strict=True):  # b_K: no gradient (a shift per query)
+        torch.testing.assert_close(torch.zeros_like(p) if g is None else g, r, atol=1e-5, rtol=1e-4)
 
 
 def test_bank_and_read_memory_grow_as_specified():
@@ -67,8 +74,7 @@ def test_bank_and_read_memory_grow_as_specified():
     state = model.initial_state(B)
     ids = torch.randint(0, V, (B, L))
     for t in range(1, 5):
-        assert state.bank.keys.shape == state.bank.values.shape == (B, t * m, D)
-        assert model.retrieval.attention(state.memory, state.bank).shape == (B, m, t * m)
+        assert state.bank.states.shape == (B, t * m, D) and state.bank.valid.shape == (B, t * m)
         assert model.read_memory(state).shape == (B, 2 * m, D)
         _, state = model.run_segment(state, ids, None)
         assert seen[-1] == (B, 2 * m + L + m, D)
@@ -77,7 +83,7 @@ def test_bank_and_read_memory_grow_as_specified():
 def test_memory_bank_in_place_append_equals_autograd_append():
     """Without gradients the bank writes into a doubling buffer; its contents equal the concatenating path."""
     torch.manual_seed(0)
-    entries = [(torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.rand(2, 3) > 0.3) for _ in range(6)]
+    entries = [(torch.randn(2, 3, 8), torch.rand(2, 3) > 0.3) for _ in range(6)]
     grad_bank = MemoryBank.start(*entries[0])
     for e in entries[1:]:
         grad_bank = grad_bank.append(*e)
@@ -85,8 +91,8 @@ def test_memory_bank_in_place_append_equals_autograd_append():
         bank = MemoryBank.start(*entries[0])
         for e in entries[1:]:
             bank = bank.append(*e)
-    assert bank.size == 18 and bank.keys_buffer.shape[1] >= 18
-    for name in ("keys", "values", "valid"):
+    assert bank.size == 18 and bank.states_buffer.shape[1] >= 18
+    for name in ("states", "valid"):
         torch.testing.assert_close(getattr(bank, name), getattr(grad_bank, name))
 
 
@@ -106,15 +112,14 @@ def test_stream_restart_drops_states_no_row_can_use():
     assert model._carried[False].bank.size == 4 * m  # row 0: M_0 + 2 segments; row 1: M_0 + 1 segment
 
 
-def test_attention_spreads_over_the_valid_bank_entries_only():
-    """Each row's probabilities are the softmax of q k / sqrt(D) over its valid entries, 0 at the others."""
+def test_retrieval_attends_over_the_valid_bank_entries_only():
+    """Each row retrieves by the formula over its valid past states alone (invalid entries hold garbage)."""
     torch.manual_seed(0)
     model = RMTRetrieval(tiny_backbone(), num_memory=3, segment_size=4)
-    memory, keys, values = torch.randn(2, 3, 32), torch.randn(2, 7, 32), torch.randn(2, 7, 32)
+    memory, states = torch.randn(2, 3, 32), torch.randn(2, 7, 32)
     valid = torch.tensor([[1, 0, 1, 1, 0, 1, 1], [0, 0, 0, 1, 1, 1, 1]], dtype=torch.bool)
-    att = model.retrieval.attention(memory, MemoryBank.start(keys, values, valid))
-    q = model.retrieval.q_proj(model.retrieval.norm_q(memory))
+    bank = MemoryBank.start(model.retrieval.bank_entry(states), valid)
+    got = model.retrieval(memory, bank)
     for b in range(2):
-        expected = torch.zeros(3, 7)
-        expected[:, valid[b]] = torch.softmax(q[b] @ keys[b, valid[b]].T / math.sqrt(32), -1)
-        torch.testing.assert_close(att[b], expected)
+        expected = retrieve_by_hand(model, memory[b : b + 1], [states[b : b + 1, valid[b]]])
+        torch.testing.assert_close(got[b : b + 1], expected)
