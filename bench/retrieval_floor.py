@@ -14,23 +14,13 @@ its large-sgemm rate (MKL's best case, which m = 8 queries a row cannot beat) an
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from torch import Tensor
 
+from bench.babilong_gen import best_of
 from models.memory import MemoryBank
 from models.rmt_retrieval import MemoryRetrieval
-
-
-def best_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def by_formula(retrieval: MemoryRetrieval, memory: Tensor, keys: Tensor, values: Tensor) -> Tensor:
@@ -82,8 +72,8 @@ def main() -> None:
             bank = MemoryBank.start(retrieval.bank_entry(states), torch.ones(B, S, dtype=torch.bool))
             keys, values = retrieval.k_proj(bank.states), retrieval.v_proj(bank.states)
             diff = (retrieval(memory, bank) - by_formula(retrieval, memory, keys, values)).abs().max()
-            t = best_seconds(lambda bank=bank: retrieval(memory, bank), args.repeats)
-            t_ref = best_seconds(lambda k=keys, v=values: by_formula(retrieval, memory, k, v), args.repeats)
+            t = best_of(lambda bank=bank: retrieval(memory, bank), args.repeats)
+            t_ref = best_of(lambda k=keys, v=values: by_formula(retrieval, memory, k, v), args.repeats)
             seconds["module"].append(t)
             seconds["formula"].append(t_ref)
             flops = B * 4 * m * S * D
@@ -94,9 +84,9 @@ def main() -> None:
     per_sample = {name: sample_seconds(sizes, ts, m, n) / B for name, ts in seconds.items()}
 
     big = torch.randn(1024, 1024)
-    gemm_rate = 2 * 1024**3 / best_seconds(lambda: big @ big, args.repeats)
+    gemm_rate = 2 * 1024**3 / best_of(lambda: big @ big, args.repeats)
     stream = torch.randn(B, 65536, D)  # larger than any cache
-    read_rate = stream.numel() * 4 / best_seconds(stream.sum, args.repeats)
+    read_rate = stream.numel() * 4 / best_of(stream.sum, args.repeats)
     flops, nbytes = 2 * m * m * D * n * n, 2 * m * D * n * n
     floor = max(flops / gemm_rate, nbytes / read_rate)
     print(f"This core: sgemm 1024^3 {gemm_rate / 1e9:.1f} GFLOP/s, read {read_rate / 1e9:.1f} GB/s")

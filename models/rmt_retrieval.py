@@ -44,10 +44,8 @@ class MemoryRetrieval(nn.Module):
         """Retrieved states R_t (B, m, D) from the bank's valid entries."""
         q = self.q_proj(self.norm_q(memory)) @ self.k_proj.weight  # (B, m, D): q W_K, scored against H
         h = bank.states[:, None]  # (B, 1, S, D): one head, keys = values = H
-        read = F.scaled_dot_product_attention(q[:, None], h, h, attn_mask=bank.valid[:, None, None])[
-            :, 0
-        ]  # P H
-        r = memory + self.o_proj(self.v_proj(read))
+        read = F.scaled_dot_product_attention(q[:, None], h, h, attn_mask=bank.valid[:, None, None])  # P H
+        r = memory + self.o_proj(self.v_proj(read[:, 0]))
         return r + self.mlp(self.norm_mlp(r))
 
 
