@@ -3,10 +3,11 @@ builds it (curriculum batches made by data workers, every callback, logging) aga
 the same model and the same batches made beforehand (forward, the injected loss, backward, clipping, AdamW), one
 run, one thread (`--threads`: more, for a run alone on the machine). Also the cost of one validation (the recipe
 validates every `trainer.val_check_interval` steps).
-On CUDA (`--device cuda`) both run in bf16 autocast (Lightning's `bf16-mixed`).
+Both run in the recipe's fp32 (`trainer.precision: 32-true`, on a GPU too) or, with `--precision bf16-mixed`, both in
+bf16 autocast (on a CPU with AMX: the measured answer to "bf16 where the CPU has AMX", README "Tests and benchmarks").
 
     python -m bench.babilong_step [--model rmt_r] [--segments 2] [--steps 60] [--workers 2] [--threads 1]
-        [--device cuda] [--compile]
+        [--device cuda] [--precision bf16-mixed] [--compile]
 
 `--compile` runs both with the backbone under `torch.compile` (train.py's `compile=true`; the first steps compile and
 are left out of the timing with the warmup).
@@ -45,6 +46,7 @@ def compose_main_job(args, run_dir: str):
         f"trainer.accelerator={'gpu' if args.device == 'cuda' else 'cpu'}",
         f"run_dir={run_dir}",
         f"compile={str(args.compile).lower()}",
+        f"trainer.precision={args.precision}",
     ]
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
         return compose("train", overrides=overrides)
@@ -85,7 +87,7 @@ def torch_step(cfg, args) -> float:
         if i == args.warmup:
             sync(device.type)
             t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed"):
             loss = loss_fn(model(batch), model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -109,6 +111,7 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch threads (train.py's threads=; tiny models: 1)"
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"], help="both runs")
     p.add_argument("--compile", action="store_true", help="torch.compile the backbone (compile=true)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -119,7 +122,8 @@ def main() -> None:
     every = recipe["val_every"]
     print(
         f"{args.model}, batch {cfg.task.batch_size} x {args.segments} segments of {cfg.model.segment_size} tokens, "
-        f"{args.threads} thread(s), {args.workers} data workers, {args.device}{', compiled' * args.compile}:\n"
+        f"{args.threads} thread(s), {args.workers} data workers, {args.device}, {args.precision}"
+        f"{', compiled' * args.compile}:\n"
         f"  Lightning run (train.py's)  {lit * 1000:7.1f} ms/step\n"
         f"  hand-written torch loop     {hand * 1000:7.1f} ms/step   ratio {lit / hand:.3f} (target <= 1.2)\n"
         f"  one validation              {val:7.2f} s = {val / every * 1000:.1f} ms/step at one every {every} steps"

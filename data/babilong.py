@@ -152,9 +152,11 @@ class Haystack:
             a += take
         return out
 
-    def context(self, facts: list[np.ndarray], n_background: int, rng: np.random.Generator) -> np.ndarray:
+    def context(
+        self, facts: list[np.ndarray], n_background: int, rng: np.random.Generator, within: int | None = None
+    ) -> np.ndarray:
         """Facts in order at random sentence boundaries of `n_background` background tokens. (C,) int64,
-        C = n_background + sum(len(f) for f in facts)."""
+        C = n_background + sum(len(f) for f in facts). within: every fact ends in the first `within` tokens."""
         if n_background < 0:
             raise ValueError(
                 f"Negative background size {n_background}: the requested size is smaller than the facts."
@@ -170,6 +172,10 @@ class Haystack:
         e = q * S + int(np.searchsorted(self.cum, r, side="left"))
         js = np.arange(s, e)
         bounds = np.append(self.cum[js % S] + (js // S) * n, end)  # (m + 1,) insertion points
+        if within is not None:  # the last fact then ends at most `within` tokens in (bounds[0] is `start`)
+            if within < (n_facts := sum(len(f) for f in facts)):
+                raise ValueError(f"{n_facts} fact tokens cannot all end within the first {within} tokens.")
+            bounds = bounds[bounds - start <= within - n_facts]
         cuts = bounds[np.sort(rng.integers(0, len(bounds), size=len(facts)))]
         pieces, a = [], start
         for cut, fact in zip(cuts, facts, strict=True):
@@ -186,8 +192,10 @@ def make_sample(
     rng: np.random.Generator,
     length: int | None = None,
     total: int | None = None,
+    facts_within: int | None = None,
 ) -> EncodedSample:
-    """bAbI sample i hidden in background: `length` context tokens (0 = facts only), or `total` tokens in all."""
+    """bAbI sample i hidden in background: `length` context tokens (0 = facts only), or `total` tokens in all;
+    facts_within: every fact ends in the first `facts_within` context tokens (Haystack.context's `within`)."""
     if (length is None) == (total is None):
         raise ValueError("Give exactly one sample size: length (context tokens) or total (all tokens).")
     facts_len, extra = int(tasks.facts_len[i]), int(tasks.extra_len[i])
@@ -198,7 +206,7 @@ def make_sample(
             f"Sample {i}: {size} tokens is smaller than its {facts_len} fact tokens; ask for a longer sample "
             "(or length 0 for facts only), or pick samples with `TaskTokens.fitting`."
         )
-    context = haystack.context(tasks.facts[i], n_background, rng)
+    context = haystack.context(tasks.facts[i], n_background, rng, facts_within)
     return assemble(tasks.bos, context, tasks.tail[i], tasks.answer[i], tasks.eos)
 
 

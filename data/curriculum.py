@@ -4,7 +4,10 @@ Stages over the maximum number of segments (RMT 1-2-4-6-8-16-32, RMT-R 2-4-6-8-1
 k segments of `segment_size` tokens, exactly k * segment_size tokens per sample (no padding), with k ~ U{k_min..n}
 (k_min = 1 unless the task's shortest sample needs more), except that a share `mixed_length_ratio` of the batches
 has exactly k = n, and a share `facts_only_ratio` of the batches of a later stage repeats stage 0's facts alone
-(rehearsal: keeps a skill the backbone's warm start taught while it learns to search). A single-stage schedule
+(rehearsal: keeps a skill the backbone's warm start taught while it learns to search). Facts lie at random
+sentence boundaries of the whole sample, so a short sample is often answered from its last segment alone; a share
+`early_facts_ratio` of the rows of k >= 2 segments has every fact before the last segment (the question's), where
+only memory can carry them (rows whose facts do not fit there stay as they are). A single-stage schedule
 with ratio 1 is the plain mode: every sample has n segments. A batch has `batch_size` rows, or with a token
 budget `batch_tokens` min(batch_size, batch_tokens // (k * segment_size)) (at least 1): a step of 32 segments then
 costs about what one of 2 does.
@@ -94,10 +97,12 @@ class CurriculumBatches(Dataset):
         task: str,
         batch_tokens: int | None = None,
         facts_only_ratio: float = 0.0,
+        early_facts_ratio: float = 0.0,
     ):
         self.tasks, self.haystack, self.L, self.B = tasks, haystack, segment_size, batch_size
         self.batch_tokens = batch_tokens
         self.ratio, self.facts_only_ratio = mixed_length_ratio, facts_only_ratio
+        self.early_facts_ratio = early_facts_ratio
         self.seed, self.task = seed, task
         self.pad_id, self.context_loss = pad_id, context_loss
         shortest = int((tasks.facts_len + tasks.extra_len).min())
@@ -125,7 +130,17 @@ class CurriculumBatches(Dataset):
             samples = [make_sample(self.tasks, int(i), self.haystack, rng, length=0) for i in idx]
             return collate(samples, self.pad_id, self.context_loss, n_segments=0, task=self.task)
         idx = rng.choice(self.fitting(k), size=self.rows(k))
-        samples = [make_sample(self.tasks, int(i), self.haystack, rng, total=k * self.L) for i in idx]
+        within = [None] * len(idx)
+        if self.early_facts_ratio and k >= 2:  # no draw when off: earlier runs keep their batches
+            before_last = (k - 1) * self.L - 1  # context tokens before the last segment (after BOS)
+            early = (rng.random(len(idx)) < self.early_facts_ratio) & (
+                self.tasks.facts_len[idx] <= before_last
+            )
+            within = [before_last if e else None for e in early]
+        samples = [
+            make_sample(self.tasks, int(i), self.haystack, rng, total=k * self.L, facts_within=w)
+            for i, w in zip(idx, within, strict=True)
+        ]
         return collate(samples, self.pad_id, self.context_loss, n_segments=k, task=self.task)
 
 
@@ -159,6 +174,7 @@ class BabilongDataModule(L.LightningDataModule):
         schedule: Sequence[int] = RMT_SCHEDULE,
         mixed_length_ratio: float = 0.0,
         facts_only_ratio: float = 0.0,
+        early_facts_ratio: float = 0.0,
         callback: CurriculumCallback | None = None,
         batch_size: int = 8,
         batch_tokens: int | None = None,
@@ -187,7 +203,9 @@ class BabilongDataModule(L.LightningDataModule):
                 "optionally after 0 (facts only, no background): [0, 1, 2]"
             )
         for name, ratio in dict(
-            mixed_length_ratio=mixed_length_ratio, facts_only_ratio=facts_only_ratio
+            mixed_length_ratio=mixed_length_ratio,
+            facts_only_ratio=facts_only_ratio,
+            early_facts_ratio=early_facts_ratio,
         ).items():
             if not 0.0 <= ratio <= 1.0:
                 raise ConfigError(f"{name} {ratio} must lie in [0, 1]")
@@ -223,6 +241,7 @@ class BabilongDataModule(L.LightningDataModule):
         self.tokenizer, self.corpus, self.callback = tokenizer, corpus, callback
         self.segment_size, self.batch_size, self.batch_tokens = segment_size, batch_size, batch_tokens
         self.mixed_length_ratio, self.facts_only_ratio = mixed_length_ratio, facts_only_ratio
+        self.early_facts_ratio = early_facts_ratio
         self.n_train, self.n_val, self.n_test = n_train, n_val, n_test
         self.eval_batch_size, self.num_workers = eval_batch_size, num_workers
         self.seed, self.eval_seed, self.context_loss = seed, eval_seed, context_loss
@@ -321,6 +340,7 @@ class BabilongDataModule(L.LightningDataModule):
             self.task,
             self.batch_tokens,
             self.facts_only_ratio,
+            self.early_facts_ratio,
         )
         first = next((n for n in self.schedule if n > 0), None)
         if first is not None and self._train.k_min > first:

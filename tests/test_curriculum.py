@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from data.babilong import TASKS
+from data.babilong import TASKS, make_sample
 from data.curriculum import BabilongDataModule, CurriculumCallback, StageSampler, draw_segments
 from data.heap import keep_freed_memory
 from data.tokenizer import build_tokenizer
@@ -79,6 +79,49 @@ def test_facts_only_share_repeats_stage_zero_and_needs_it(tok, cache):
         make_dm(tok, cache, schedule=(1, 2), facts_only_ratio=0.5)
     with pytest.raises(ConfigError, match="facts_only_ratio 1.5 must lie in"):
         make_dm(tok, cache, schedule=(0, 2), facts_only_ratio=1.5)
+
+
+def facts_in_last_segment(dm: BabilongDataModule, batch: dict) -> int:
+    """Rows of a training batch whose last segment holds a whole fact of the training pool."""
+    facts = {tuple(f.tolist()) for story in dm.pool("train").facts for f in story}
+    rows = batch["input_ids"][:, -dm.segment_size :].numpy()
+    return sum(
+        any(tuple(row[a : a + len(f)].tolist()) == f for f in facts for a in range(len(row) - len(f) + 1))
+        for row in rows
+    )
+
+
+def test_early_facts_rows_hold_every_fact_before_the_question_segment(tok, cache):
+    """early_facts_ratio 1: no row of >= 2 segments has a fact in its last segment (the question's), where 0 puts
+    one there in many rows; 0 draws the batches of a datamodule without it (earlier runs keep their data)."""
+    args = dict(segment_size=128, schedule=(2, 3), batch_size=4)  # qa1's facts (<= 71 tokens) fit one segment
+    early, plain = (make_dm(tok, cache, **args, early_facts_ratio=r) for r in (1.0, 0.0))
+    long = [j for j in range(16) if early.batch(3, j)["n_segments"] >= 2]  # one segment: nowhere else to go
+    assert len(long) >= 8
+    assert sum(facts_in_last_segment(early, early.batch(3, j)) for j in long) == 0
+    assert sum(facts_in_last_segment(plain, plain.batch(3, j)) for j in long) >= len(long)
+    before = make_dm(tok, cache, **args)
+    assert all(fingerprint(plain.batch(3, j)) == fingerprint(before.batch(3, j)) for j in range(12))
+    with pytest.raises(ConfigError, match="early_facts_ratio -0.5 must lie in"):
+        make_dm(tok, cache, early_facts_ratio=-0.5)
+
+
+def test_facts_within_ends_every_fact_in_time_and_refuses_what_cannot_fit(tok, cache):
+    """make_sample(facts_within=w): the last fact ends within the first w context tokens, whatever the draw."""
+    dm = make_dm(tok, cache)
+    tasks, haystack = dm.pool("train"), dm.haystack("train")
+    for i in range(20):
+        w = int(tasks.facts_len[i]) + 5
+        for seed in range(5):
+            sample = make_sample(tasks, i, haystack, np.random.default_rng(seed), length=300, facts_within=w)
+            context = sample.input_ids[1 : 1 + sample.context_len]
+            last = tasks.facts[i][-1]
+            ends = [
+                a + len(last) for a in range(len(context)) if np.array_equal(context[a : a + len(last)], last)
+            ]
+            assert ends and ends[-1] <= w
+    with pytest.raises(ValueError, match="cannot all end within the first 3 tokens"):
+        make_sample(tasks, 0, haystack, np.random.default_rng(0), length=300, facts_within=3)
 
 
 def test_batches_are_same_k_unpadded_and_exactly_k_segments(tok, cache):
