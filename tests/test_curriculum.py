@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from callbacks.memory_maps import fact_segments
 from data.babilong import TASKS, make_sample
 from data.curriculum import BabilongDataModule, CurriculumCallback, StageSampler, draw_segments
 from data.heap import keep_freed_memory
@@ -113,13 +114,11 @@ def test_facts_within_ends_every_fact_in_time_and_refuses_what_cannot_fit(tok, c
     for i in range(20):
         w = int(tasks.facts_len[i]) + 5
         for seed in range(5):
-            sample = make_sample(tasks, i, haystack, np.random.default_rng(seed), length=300, facts_within=w)
-            context = sample.input_ids[1 : 1 + sample.context_len]
-            last = tasks.facts[i][-1]
-            ends = [
-                a + len(last) for a in range(len(context)) if np.array_equal(context[a : a + len(last)], last)
-            ]
-            assert ends and ends[-1] <= w
+            ids = make_sample(
+                tasks, i, haystack, np.random.default_rng(seed), length=300, facts_within=w
+            ).input_ids
+            first_w = [(0, 1 + w), (1 + w, len(ids))]  # BOS and the first w context tokens, then the rest
+            assert fact_segments(ids, tasks.facts[i], first_w)[-1] == 1
     with pytest.raises(ValueError, match="cannot all end within the first 3 tokens"):
         make_sample(tasks, 0, haystack, np.random.default_rng(0), length=300, facts_within=3)
 
