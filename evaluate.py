@@ -133,6 +133,11 @@ def babilong(
             "eval.babilong.early_facts=true needs a memory model (RMT, RMT-R, ARMT: it has segments) and generated "
             "samples (official=null): it keeps the samples whose facts all precede the last segment."
         )
+    if early_facts and 0 in lengths:
+        raise ConfigError(
+            "eval.babilong.early_facts=true with length 0: the facts alone are one segment, with nothing before it. "
+            "Drop 0 from eval.babilong.lengths."
+        )
     name = "babilong" + ("_reset" if reset else "") + ("_early_facts" if early_facts else "")
     device = next(model.parameters()).device
     settings = dict(seed=seed, official=official, answer_prompt=answer_prompt, memory=memory)

@@ -315,6 +315,10 @@ def test_early_facts_keeps_only_samples_whose_facts_precede_the_last_segment(tmp
     assert set(metrics) == {"babilong_early_facts/qa1/acc@300", "babilong_early_facts/acc"}
     with pytest.raises(ConfigError, match="early_facts=true needs a memory model"):
         babilong(Oracle(tokenizer.vocab_size), tokenizer, tiny_corpus(), tmp_path, early_facts=True)
+    with pytest.raises(ConfigError, match="Drop 0 from eval.babilong.lengths"):
+        babilong(
+            model, tokenizer, tiny_corpus(), tmp_path, tasks=("qa1",), lengths=(0, 300), n=4, early_facts=True
+        )
 
 
 def test_memory_maps_draws_figure_10_of_a_memory_model(tmp_path, cache):
