@@ -263,7 +263,11 @@ def warm_start(cfg: DictConfig, tokenizer) -> Path:
     path = warm_start_file(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("Waiting for another process to finish the warm start %s (it logs its progress)", path)
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if path.is_file():
             return path
         settings = OmegaConf.to_container(cfg.warm_start, resolve=True)

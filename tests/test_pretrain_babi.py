@@ -3,10 +3,13 @@ the dense loss falls and only the task's rows change, and `backbone_init` loads 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -234,3 +237,27 @@ def test_the_users_command_learns_qa1_as_typed(tmp_path):
     metrics = read_metrics(tmp_path)
     accuracy = max(v for (k, step), v in metrics.items() if k == "val/qa1/acc@2seg" and step >= 1900)
     assert accuracy >= 0.6, accuracy
+
+
+def test_a_run_waiting_for_another_process_building_the_warm_start_says_so(tmp_path, monkeypatch, caplog):
+    """Two jobs started together: the second waits on the first one's lock, logs that it waits, and then takes the
+    file the first one wrote instead of training its own."""
+    monkeypatch.setenv("MEMLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(pretrain_babi, "pretrain", lambda *a, **k: pytest.fail("trained again"))
+    register_resolvers()
+    cfg = compose_train(["model=rmt_r", "task=qa1"])
+    path = warm_start_file(cfg)
+    path.parent.mkdir(parents=True)
+    result = []
+    with open(path.with_suffix(".lock"), "w") as lock, caplog.at_level("INFO", logger=pretrain_babi.log.name):
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other process, building it
+        waiter = threading.Thread(target=lambda: result.append(pretrain_babi.warm_start(cfg, None)))
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while "Waiting for another process" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert waiter.is_alive() and str(path) in caplog.text
+        path.write_bytes(b"built by the other process")
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    waiter.join(30)
+    assert result == [path]
