@@ -238,6 +238,30 @@ def from_task(cfg: DictConfig) -> str | None:
     return first
 
 
+def settings_of(cfg: DictConfig) -> dict:
+    """The `warm_start` settings pretrain() takes for this run's task: `steps` null means the task's own cap
+    (`task_steps`: qa1 reaches its target within 6,750-9,250 steps by machine, the others plateau below it)."""
+    settings = OmegaConf.to_container(cfg.warm_start, resolve=True)
+    settings.pop("from_task", None)
+    caps = settings.pop("task_steps", None) or {}
+    if settings["steps"] is None:
+        settings["steps"] = caps.get(cfg.task.get("task"), caps.get("default"))
+    if settings["steps"] is None:
+        raise ConfigError(
+            "warm_start.steps=null needs warm_start.task_steps.default (or give warm_start.steps=N)"
+        )
+    if not isinstance(settings["steps"], int) or settings["steps"] < 1:
+        raise ConfigError(
+            f"warm_start.steps must be a number of steps >= 1 (or null), got {settings['steps']!r}"
+        )
+    return settings
+
+
+def first_task_config(cfg: DictConfig, first: str) -> DictConfig:
+    """The config of the warm start this run's begins from: task `first`, with its own `from_task=auto`."""
+    return OmegaConf.merge(cfg, {"task": {"task": first}, "warm_start": {"from_task": "auto"}})
+
+
 def warm_start_file(cfg: DictConfig) -> Path:
     """Where the warm start of this run's backbone, tokenizer, task and `warm_start` settings is cached."""
     task = cfg.task.get("task")
@@ -246,13 +270,11 @@ def warm_start_file(cfg: DictConfig) -> Path:
             "backbone_init=warm_start pretrains the backbone on a BABILong task's stories: use it with "
             "task=qa1 ... qa20, or set backbone_init=null (random weights) or a file."
         )
-    identity = {
-        name: OmegaConf.to_container(cfg[name], resolve=True)
-        for name in ("backbone", "tokenizer", "warm_start")
-    }
-    identity["warm_start"].pop("from_task", None)  # keyed by the task it resolves to, only where there is one
-    if (first := from_task(cfg)) is not None:
-        identity["from_task"] = first
+    identity = {name: OmegaConf.to_container(cfg[name], resolve=True) for name in ("backbone", "tokenizer")}
+    # from_task is not in the settings: the key holds the task it resolves to, where there is one
+    identity["warm_start"] = settings_of(cfg)
+    if (first := from_task(cfg)) is not None:  # keyed by the file it starts from: a new start, a new file
+        identity["from_task"] = warm_start_file(first_task_config(cfg, first)).name
     key = hashlib.sha256(json.dumps({**identity, "task": task}, sort_keys=True).encode()).hexdigest()[:16]
     return default_cache_dir() / "warm_start" / f"{task}-{key}.pt"
 
@@ -270,15 +292,11 @@ def warm_start(cfg: DictConfig, tokenizer) -> Path:
             fcntl.flock(lock, fcntl.LOCK_EX)
         if path.is_file():
             return path
-        settings = OmegaConf.to_container(cfg.warm_start, resolve=True)
-        settings.pop("from_task", None)
+        settings = settings_of(cfg)
         task, first = cfg.task.task, from_task(cfg)
         start = None  # the first task's warm start, built (or found) first, from its own `auto`
         if first is not None:
-            start = warm_start(
-                OmegaConf.merge(cfg, {"task": {"task": first}, "warm_start": {"from_task": "auto"}}),
-                tokenizer,
-            )
+            start = warm_start(first_task_config(cfg, first), tokenizer)
         log.info("Warm-starting the backbone on %s stories (once; cached as %s): %s", task, path, settings)
         threads = torch.get_num_threads()
         torch.set_num_threads(cfg.get("threads") or 1)  # a tiny backbone: one thread is fastest

@@ -261,3 +261,31 @@ def test_a_run_waiting_for_another_process_building_the_warm_start_says_so(tmp_p
         fcntl.flock(lock, fcntl.LOCK_UN)
     waiter.join(30)
     assert result == [path]
+
+
+def test_warm_start_steps_default_to_the_tasks_cap_and_an_explicit_value_wins():
+    """steps=null: qa1 trains up to its own cap (15,000: its target comes at 6,750-9,250 steps by machine), other
+    tasks up to the default (9,000: qa4's and qa5's cached files keep their keys); warm_start.steps=N sets any task's.
+    qa2's key holds the file of qa1's warm start it begins from, so a change there is a new qa2 file."""
+    register_resolvers()
+    qa1, qa2 = (compose_train(["model=rmt_r", f"task={t}"]) for t in ("qa1", "qa2"))
+    assert (
+        pretrain_babi.settings_of(qa1)["steps"] == 15000 and pretrain_babi.settings_of(qa2)["steps"] == 9000
+    )
+    assert "task_steps" not in pretrain_babi.settings_of(qa1)
+    for task, cap in (("qa1", 15000), ("qa4", 9000), ("qa5", 9000)):
+        explicit = compose_train(["model=rmt_r", f"task={task}", f"warm_start.steps={cap}"])
+        assert warm_start_file(explicit) == warm_start_file(compose_train(["model=rmt_r", f"task={task}"]))
+    # qa2 starts from qa1's warm start: a new qa1 cap is a new qa2 file too; qa5 starts from random weights
+    for task, changed in (("qa2", True), ("qa5", False)):
+        other_cap = compose_train(["model=rmt_r", f"task={task}", "warm_start.task_steps.qa1=14000"])
+        default = compose_train(["model=rmt_r", f"task={task}"])
+        assert (warm_start_file(other_cap) != warm_start_file(default)) is changed
+    small = compose_train(["model=rmt_r", "task=qa1", "warm_start.steps=3"])
+    assert pretrain_babi.settings_of(small)["steps"] == 3 and warm_start_file(small) != warm_start_file(qa1)
+    with pytest.raises(ValueError, match="task_steps.default"):
+        pretrain_babi.settings_of(
+            compose_train(["model=rmt_r", "task=qa2", "~warm_start.task_steps.default"])
+        )
+    with pytest.raises(ValueError, match="warm_start.steps must be a number of steps >= 1"):
+        warm_start_file(compose_train(["model=rmt_r", "task=qa1", "warm_start.steps=abc"]))
