@@ -258,7 +258,7 @@ def settings_of(cfg: DictConfig) -> dict:
 
 
 def first_task_config(cfg: DictConfig, first: str) -> DictConfig:
-    """The config of the warm start this run's begins from: task `first`, with its own `from_task=auto`."""
+    """The config of the warm start this run's warm start begins from: task `first`, with its own `from_task=auto`."""
     return OmegaConf.merge(cfg, {"task": {"task": first}, "warm_start": {"from_task": "auto"}})
 
 
@@ -271,7 +271,6 @@ def warm_start_file(cfg: DictConfig) -> Path:
             "task=qa1 ... qa20, or set backbone_init=null (random weights) or a file."
         )
     identity = {name: OmegaConf.to_container(cfg[name], resolve=True) for name in ("backbone", "tokenizer")}
-    # from_task is not in the settings: the key holds the task it resolves to, where there is one
     identity["warm_start"] = settings_of(cfg)
     if (first := from_task(cfg)) is not None:  # keyed by the file it starts from: a new start, a new file
         identity["from_task"] = warm_start_file(first_task_config(cfg, first)).name
