@@ -7,6 +7,8 @@ that is 2*m^2*D*n^2 flops and 2*m*D*n^2 bytes: n = 8,192 segments of 128 tokens 
 550 GFLOP and 69 GB a sample. This times MemoryRetrieval's forward (no grad, the evaluation batch of B rows) at
 several bank sizes, fits a + b*S, sums it over the n segments, and prints it beside this core's floors: the flops at
 its large-sgemm rate (MKL's best case, which m = 8 queries a row cannot beat) and the bytes at its read bandwidth.
+Then the whole evaluation: the tiny BABILong RMT and RMT-R (3 layers, 4 heads, ALiBi) timed a segment with the bank
+still small, plus the retrieval's growth (the b*S part), against the issue's 30 minutes.
 
     python -m bench.retrieval_floor [--batch 8] [--memory 8] [--hidden 64] [--segments 8192] [--samples 100]
 """
@@ -19,8 +21,10 @@ import torch
 from torch import Tensor
 
 from bench.babilong_gen import best_of
+from models.llama import Llama, LlamaConfig
 from models.memory import MemoryBank
-from models.rmt_retrieval import MemoryRetrieval
+from models.rmt import RMT
+from models.rmt_retrieval import MemoryRetrieval, RMTRetrieval
 
 
 def by_formula(retrieval: MemoryRetrieval, memory: Tensor, keys: Tensor, values: Tensor) -> Tensor:
@@ -31,12 +35,33 @@ def by_formula(retrieval: MemoryRetrieval, memory: Tensor, keys: Tensor, values:
     return r + retrieval.mlp(retrieval.norm_mlp(r))
 
 
-def sample_seconds(sizes: list[int], seconds: list[float], m: int, n: int) -> float:
-    """Seconds of the n segments of one batch: a + b*S fitted by least squares, summed over S = m, 2m, ..., n*m."""
+def fit(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """a, b of seconds = a + b*S, least squares."""
     s, y = torch.tensor(sizes, dtype=torch.float64), torch.tensor(seconds, dtype=torch.float64)
     b = float(((s - s.mean()) * (y - y.mean())).sum() / ((s - s.mean()) ** 2).sum())
-    a = float(y.mean()) - b * float(s.mean())
+    return float(y.mean()) - b * float(s.mean()), b
+
+
+def sample_seconds(sizes: list[int], seconds: list[float], m: int, n: int) -> float:
+    """Seconds of the n segments of one batch: a + b*S summed over S = m, 2m, ..., n*m."""
+    a, b = fit(sizes, seconds)
     return n * a + b * m * n * (n + 1) / 2
+
+
+def segment_seconds(model: torch.nn.Module, batch: int, segment: int, n: int) -> float:
+    """Seconds a segment of a no-grad BABILong forward (answer scored at the last token) over n segments."""
+    ids = torch.randint(0, 32000, (batch, n * segment))
+    labels = torch.full_like(ids, -100)
+    labels[:, -1] = 1
+    with torch.no_grad():
+        return best_of(lambda: model({"input_ids": ids, "labels": labels}), 2) / n
+
+
+def tiny_babi(kind: type[RMT], m: int, hidden: int, segment: int) -> RMT:
+    """RMT or RMT-R around the tiny BABILong backbone (configs/backbone/tiny_babi.yaml), in eval mode."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(32000, hidden, n_layers=3, n_heads=4, n_kv_heads=4, ffn_size=4 * hidden, alibi=True)
+    return kind(Llama(cfg), m, segment).eval()
 
 
 def main() -> None:
@@ -49,6 +74,10 @@ def main() -> None:
     parser.add_argument("--memory", type=int, default=8, help="m, memory tokens")
     parser.add_argument("--hidden", type=int, default=64, help="D, the backbone's width")
     parser.add_argument("--segments", type=int, default=8192, help="n, segments of one sample (1M / 128)")
+    parser.add_argument("--segment", type=int, default=128, help="tokens a segment")
+    parser.add_argument(
+        "--timed-segments", type=int, default=64, help="segments a timed forward (bank still small)"
+    )
     parser.add_argument("--samples", type=int, default=100)
     parser.add_argument("--sizes", default="4096,16384,65536", help="bank entries S to time")
     parser.add_argument("--repeats", type=int, default=10)
@@ -99,6 +128,23 @@ def main() -> None:
             f"Retrieval, {args.samples} samples, {name}: {t * args.samples / 60:.1f} min "
             f"(x{t / floor:.2f} the floor of {floor * args.samples / 60:.1f} min)"
         )
+
+    minutes = args.samples / B * n / 60  # seconds a segment of B rows -> minutes for all samples
+    base = {
+        kind.__name__: segment_seconds(
+            tiny_babi(kind, m, D, args.segment), B, args.segment, args.timed_segments
+        )
+        for kind in (RMT, RMTRetrieval)
+    }
+    growth = (
+        fit(sizes, seconds["module"])[1] * m * (n + 1) / 2 * minutes
+    )  # the b*S part, summed over the segments
+    print(
+        f"Whole evaluation, {args.samples} samples x {n} segments of {args.segment} tokens, B = {B}: segments with "
+        f"a small bank RMT {base['RMT'] * minutes:.1f} min, RMT-R {base['RMTRetrieval'] * minutes:.1f} min; "
+        f"RMT-R with the bank's growth {base['RMTRetrieval'] * minutes + growth:.1f} min, at the retrieval's floor "
+        f"{base['RMTRetrieval'] * minutes + floor * args.samples / 60:.1f} min (issue #14: 30 min)"
+    )
 
 
 if __name__ == "__main__":
