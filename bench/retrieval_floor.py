@@ -136,9 +136,8 @@ def main() -> None:
         )
         for kind in (RMT, RMTRetrieval)
     }
-    growth = (
-        fit(sizes, seconds["module"])[1] * m * (n + 1) / 2 * minutes
-    )  # the b*S part, summed over the segments
+    # the retrieval's b*S part over S = m, 2m, ..., n*m (its a part is in the small-bank segments)
+    growth = fit(sizes, seconds["module"])[1] * m * (n + 1) / 2 * minutes
     print(
         f"Whole evaluation, {args.samples} samples x {n} segments of {args.segment} tokens, B = {B}: segments with "
         f"a small bank RMT {base['RMT'] * minutes:.1f} min, RMT-R {base['RMTRetrieval'] * minutes:.1f} min; "
