@@ -7,8 +7,8 @@ that is 2*m^2*D*n^2 flops and 2*m*D*n^2 bytes: n = 8,192 segments of 128 tokens 
 550 GFLOP and 69 GB a sample. This times MemoryRetrieval's forward (no grad, the evaluation batch of B rows) at
 several bank sizes, fits a + b*S, sums it over the n segments, and prints it beside this core's floors: the flops at
 its large-sgemm rate (MKL's best case, which m = 8 queries a row cannot beat) and the bytes at its read bandwidth.
-Then the whole evaluation: the tiny BABILong RMT and RMT-R (3 layers, 4 heads, ALiBi) timed a segment with the bank
-still small, plus the retrieval's growth (the b*S part), against the issue's 30 minutes.
+Then the whole evaluation: RMT and RMT-R as `task=qa1` builds them (the tiny BABILong backbone) timed a segment with
+the bank still small, plus the retrieval's growth (the b*S part), against the issue's 30 minutes.
 
     python -m bench.retrieval_floor [--batch 8] [--memory 8] [--hidden 64] [--segments 8192] [--samples 100]
 """
@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 
 import torch
+from hydra import compose, initialize_config_dir
 from torch import Tensor
 
 from bench.babilong_gen import best_of
-from models.llama import Llama, LlamaConfig
+from models.builders import build_model, instantiate, register_resolvers
+from models.cli import CONFIGS
 from models.memory import MemoryBank
-from models.rmt import RMT
-from models.rmt_retrieval import MemoryRetrieval, RMTRetrieval
+from models.rmt_retrieval import MemoryRetrieval
 
 
 def by_formula(retrieval: MemoryRetrieval, memory: Tensor, keys: Tensor, values: Tensor) -> Tensor:
@@ -48,20 +49,19 @@ def sample_seconds(sizes: list[int], seconds: list[float], m: int, n: int) -> fl
     return n * a + b * m * n * (n + 1) / 2
 
 
-def segment_seconds(model: torch.nn.Module, batch: int, segment: int, n: int) -> float:
-    """Seconds a segment of a no-grad BABILong forward (answer scored at the last token) over n segments."""
-    ids = torch.randint(0, 32000, (batch, n * segment))
+def segment_seconds(model_name: str, m: int, hidden: int, batch: int, segment: int, n: int) -> float:
+    """Seconds a segment of a no-grad BABILong forward (answer scored at the last token) over n segments, of
+    `python train.py model=<model_name> task=qa1` with m memory tokens, a backbone `hidden` wide, random weights."""
+    overrides = [f"model={model_name}", "task=qa1", f"model.num_memory={m}", f"model.segment_size={segment}"]
+    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+        cfg = compose("train", overrides=[*overrides, f"backbone.hidden_size={hidden}"])
+    torch.manual_seed(0)
+    model = build_model(cfg, instantiate(cfg.tokenizer)).eval()
+    ids = torch.randint(0, model.backbone.vocab_size, (batch, n * segment))
     labels = torch.full_like(ids, -100)
     labels[:, -1] = 1
     with torch.no_grad():
         return best_of(lambda: model({"input_ids": ids, "labels": labels}), 2) / n
-
-
-def tiny_babi(kind: type[RMT], m: int, hidden: int, segment: int) -> RMT:
-    """RMT or RMT-R around the tiny BABILong backbone (configs/backbone/tiny_babi.yaml), in eval mode."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(32000, hidden, n_layers=3, n_heads=4, n_kv_heads=4, ffn_size=4 * hidden, alibi=True)
-    return kind(Llama(cfg), m, segment).eval()
 
 
 def main() -> None:
@@ -130,19 +130,17 @@ def main() -> None:
         )
 
     minutes = args.samples / B * n / 60  # seconds a segment of B rows -> minutes for all samples
-    base = {
-        kind.__name__: segment_seconds(
-            tiny_babi(kind, m, D, args.segment), B, args.segment, args.timed_segments
-        )
-        for kind in (RMT, RMTRetrieval)
-    }
+    register_resolvers()
+    rmt, rmt_r = (
+        segment_seconds(name, m, D, B, args.segment, args.timed_segments) * minutes
+        for name in ("rmt", "rmt_r")
+    )
     # the retrieval's b*S part over S = m, 2m, ..., n*m (its a part is in the small-bank segments)
     growth = fit(sizes, seconds["module"])[1] * m * (n + 1) / 2 * minutes
     print(
         f"Whole evaluation, {args.samples} samples x {n} segments of {args.segment} tokens, B = {B}: segments with "
-        f"a small bank RMT {base['RMT'] * minutes:.1f} min, RMT-R {base['RMTRetrieval'] * minutes:.1f} min; "
-        f"RMT-R with the bank's growth {base['RMTRetrieval'] * minutes + growth:.1f} min, at the retrieval's floor "
-        f"{base['RMTRetrieval'] * minutes + floor * args.samples / 60:.1f} min (issue #14: 30 min)"
+        f"a small bank RMT {rmt:.1f} min, RMT-R {rmt_r:.1f} min; RMT-R with the bank's growth {rmt_r + growth:.1f} "
+        f"min, at the retrieval's floor {rmt_r + floor * args.samples / 60:.1f} min (issue #14: 30 min)"
     )
 
 
