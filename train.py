@@ -11,6 +11,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from callbacks.checkpoint import best_checkpoint_line
 from callbacks.progress import metrics_line
 from models import cli
 from models.builders import build_run, register_resolvers
@@ -28,6 +29,8 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     save_run_config(cfg, overrides)
     run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=ckpt)
     metrics = dict(run.trainer.callback_metrics)  # trainer.test starts its own
+    if run.trainer.is_global_zero and (best := best_checkpoint_line(run.trainer)):
+        log.info(best)
     if cfg.get("test"):
         # not Lightning's table: with a test set per length it lists every metric under every dataloader
         run.trainer.test(run.module, datamodule=run.datamodule, verbose=False)

@@ -296,6 +296,17 @@ class LastAndBestCheckpoint(ModelCheckpoint):
                 self._remove_checkpoint(trainer, str(path))
 
 
+def best_checkpoint_line(trainer) -> str | None:
+    """`best checkpoint by MONITOR: PATH (V; last.ckpt: W)`, the file to evaluate besides last.ckpt (a curriculum's
+    best can be far better than its end); None without a checkpoint callback, a monitor or a best file yet."""
+    ckpt = trainer.checkpoint_callback
+    if ckpt is None or not ckpt.monitor or not ckpt.best_model_path or ckpt.best_model_score is None:
+        return None
+    last = trainer.callback_metrics.get(ckpt.monitor)
+    at_end = f"; last.ckpt: {float(last):.4g}" if last is not None else ""
+    return f"best checkpoint by {ckpt.monitor}: {ckpt.best_model_path} ({float(ckpt.best_model_score):.4g}{at_end})"
+
+
 def build_checkpoint_callback(
     dirpath: str,
     monitor: str | None = None,

@@ -41,7 +41,15 @@ def test_output_to_a_file_gets_progress_lines_where_things_went_and_no_noise(tmp
         r"step (\d)/6 \(\d+%\) \| loss [\d.]+ \| [\d,]+ tok/s \| 0:00:\d\d elapsed, ETA 0:00:\d\d", log
     )
     assert steps == ["2", "4", "6"], log
-    assert re.findall(r"validation at step (\d): val/loss [\d.]+, val/ppl [\d.e+]+", log) == ["3", "6"]
+    vals = re.findall(r"validation at step (\d): val/loss ([\d.]+), val/ppl [\d.e+]+", log)
+    assert [step for step, _ in vals] == ["3", "6"]
+    # which checkpoint to evaluate besides last.ckpt: the best by the monitor, its value and the last one's
+    best = re.search(
+        r"best checkpoint by val/loss: (\S+/step00000(\d)\.ckpt) \(([\d.]+); last\.ckpt: ([\d.]+)\)", log
+    )
+    losses = {step: float(v) for step, v in vals}
+    assert best and Path(best[1]).is_file(), log
+    assert float(best[3]) == min(losses.values()) == losses[best[2]] and float(best[4]) == losses["6"]
     # the test set's metrics on one line, not Lightning's table (which repeats them under every dataloader)
     assert re.search(r"test: test/loss [\d.]+, test/ppl [\d.e+]+", log)
     assert f"Run folder: {run_dir}" in log  # at the start
