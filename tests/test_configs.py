@@ -17,6 +17,7 @@ from models.config_checks import (
     signature_of,
     targets,
 )
+from models.lit_module import wsd_lambda
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 GROUPS = [
@@ -86,6 +87,18 @@ def test_every_curriculum_composes_with_the_babilong_recipe(curriculum):
     for path, node in targets(cfg):
         assert_binds(path, node)
     assert not config_problems(cfg)
+
+
+@pytest.mark.parametrize("experiment", ["curriculum32", "curriculum32_from"])
+def test_the_curricula_run_their_32_segment_stage_in_the_lr_decay(experiment):
+    """The decay starts (to the step) where the last stage does when every stage spends its step budget: a 32-segment
+    stage at full rate lost what the 16-segment stage had formed (docs/babilong_curriculum.md)."""
+    cfg = compose_train([f"experiment={experiment}", *REQUIRED.get(experiment, [])])
+    o = cfg.optim
+    lr = wsd_lambda(o.warmup_steps, cfg.trainer.max_steps, o.stable_ratio, o.min_lr_ratio)
+    last_stage = (len(cfg.curriculum.schedule) - 1) * cfg.curriculum.callback.max_steps_per_stage
+    assert cfg.curriculum.schedule[-1] == 32
+    assert lr(last_stage - 2) == 1.0 and lr(last_stage) < 1.0
 
 
 def test_trainer_config_lists_every_trainer_argument():
