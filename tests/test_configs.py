@@ -91,7 +91,7 @@ def test_every_curriculum_composes_with_the_babilong_recipe(curriculum):
 
 @pytest.mark.parametrize("experiment", ["curriculum32", "curriculum32_from"])
 def test_the_curricula_run_their_32_segment_stage_in_the_lr_decay(experiment):
-    """The decay starts (to the step) where the last stage does when every stage spends its step budget: a 32-segment
+    """The decay starts (within a step) where the last stage does when every stage spends its step budget: a 32-segment
     stage at full rate lost what the 16-segment stage had formed (docs/babilong_curriculum.md)."""
     cfg = compose_train([f"experiment={experiment}", *REQUIRED.get(experiment, [])])
     o = cfg.optim
