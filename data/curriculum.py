@@ -436,7 +436,8 @@ class BabilongDataModule(L.LightningDataModule):
 
 class CurriculumCallback(Callback):
     """Advances the datamodule's curriculum after a validation when the monitored metric has not improved for
-    `patience` validations, or when the stage has run `max_steps_per_stage` optimizer steps (None: no budget).
+    `patience` validations, or when the stage has run `max_steps_per_stage` optimizer steps (None: no budget; a list:
+    one budget per stage of the schedule).
 
     `monitor` may name the stage: "val/{task}/acc@{segments}seg" reads the accuracy at the stage's segment count.
     With `stop_after_last_stage`, training stops when the last stage stops improving (the paper's early stopping).
@@ -451,7 +452,7 @@ class CurriculumCallback(Callback):
         mode: str = "max",
         patience: int | None = 3,
         min_delta: float = 0.0,
-        max_steps_per_stage: int | None = None,
+        max_steps_per_stage: int | Sequence[int] | None = None,
         stop_after_last_stage: bool = False,
         stage_checkpoints: bool = True,
     ):
@@ -474,6 +475,9 @@ class CurriculumCallback(Callback):
         if not isinstance(dm, BabilongDataModule):
             raise TypeError(f"CurriculumCallback needs a BabilongDataModule, got {type(dm).__name__}")
         return dm
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._budget(self._datamodule(trainer))  # a list of budgets that does not fit the schedule fails here
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         dm = self._datamodule(trainer)
@@ -499,9 +503,8 @@ class CurriculumCallback(Callback):
             else:
                 self.wait += 1
             stalled = self.wait >= self.patience
-        spent = self.max_steps_per_stage is not None and (
-            trainer.global_step - self.stage_start_step >= self.max_steps_per_stage
-        )
+        budget = self._budget(dm)
+        spent = budget is not None and trainer.global_step - self.stage_start_step >= budget
         if not (stalled or spent):
             return
         if self.stage_checkpoints and trainer.checkpoint_callback is not None and not dm.last_stage:
@@ -512,6 +515,18 @@ class CurriculumCallback(Callback):
             self.best, self.wait, self.stage_start_step = None, 0, trainer.global_step
         elif stalled and self.stop_after_last_stage:
             trainer.should_stop = True
+
+    def _budget(self, dm: BabilongDataModule) -> int | None:
+        """The current stage's step budget."""
+        budgets = self.max_steps_per_stage
+        if budgets is None or isinstance(budgets, int):
+            return budgets
+        if len(budgets) != len(dm.schedule):
+            raise ConfigError(
+                f"curriculum.callback.max_steps_per_stage {list(budgets)} has {len(budgets)} budgets for the "
+                f"{len(dm.schedule)} stages of the schedule {list(dm.schedule)}: give one per stage, or one number."
+            )
+        return int(budgets[dm.stage])
 
     def state_dict(self) -> dict:
         return {"best": self.best, "wait": self.wait, "stage_start_step": self.stage_start_step}

@@ -329,6 +329,20 @@ def test_stage_advances_on_step_budget(tok, cache, tmp_path):
     assert dm.stage == 2 and 4 <= dm.stage_starts[1] <= 8 and 8 <= dm.stage_starts[2] <= 12
 
 
+def test_stage_advances_on_its_own_budget(tok, cache, tmp_path):
+    callback = CurriculumCallback(patience=None, max_steps_per_stage=[2, 6, 2])
+    dm = make_dm(tok, cache, callback=callback)
+    fit(dm, Probe(lambda step: step), 12, tmp_path)  # validations every 2 steps: stages end at steps 2 and 8
+    assert dm.stage == 2 and callback.stage_start_step == 8
+    assert 2 <= dm.stage_starts[1] <= 3 and 8 <= dm.stage_starts[2] <= 9  # + the batch fetched ahead
+
+
+def test_budgets_that_do_not_fit_the_schedule_are_refused(tok, cache, tmp_path):
+    dm = make_dm(tok, cache, callback=CurriculumCallback(patience=None, max_steps_per_stage=[2, 6]))
+    with pytest.raises(ConfigError, match=r"2 budgets for the 3 stages of the schedule \[1, 2, 4\]"):
+        fit(dm, Probe(lambda step: step), 4, tmp_path)
+
+
 def test_resume_continues_stage_and_data_exactly(tok, cache, tmp_path):
     score = {2: 0.1, 4: 0.2, 6: 0.2, 8: 0.2, 10: 0.3, 12: 0.3, 14: 0.3, 16: 0.3}.get
     full_dm = make_dm(tok, cache, num_workers=2, callback=CurriculumCallback(patience=1))
