@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.progress import Progress
 from torch import Tensor, nn
 
-from data.babi import generate_task
+from data.babi import REVISIONS, generate_task, task_name
 from data.babilong import EncodedSample, TaskTokens, assemble, check_task, collate
 from data.corpus import default_cache_dir
 from models import cli
@@ -272,6 +272,8 @@ def warm_start_file(cfg: DictConfig) -> Path:
         )
     identity = {name: OmegaConf.to_container(cfg[name], resolve=True) for name in ("backbone", "tokenizer")}
     identity["warm_start"] = settings_of(cfg)
+    if (revision := REVISIONS.get(task_name(task))) is not None:  # the task's stories changed: a new file
+        identity["revision"] = revision
     if (first := from_task(cfg)) is not None:  # keyed by the file it starts from: a new start, a new file
         identity["from_task"] = warm_start_file(first_task_config(cfg, first)).name
     key = hashlib.sha256(json.dumps({**identity, "task": task}, sort_keys=True).encode()).hexdigest()[:16]

@@ -548,6 +548,22 @@ def test_each_species_has_its_own_colour_and_all_of_its_kin_support_the_answer()
         assert {sample.facts[i] for i in sample.supporting} == wanted
 
 
+def test_gives_are_asked_within_five_facts_and_no_later_fact_touches_them():
+    """qa5 (WhoWhatGave.lua): the question follows the asked give after 0-5 facts, drawn uniformly (fewer only in
+    short stories), none of which names its object or is another give from its giver to its receiver."""
+    after = Counter()
+    for sample in generate_task("qa5", N_DESIGN, seed=25):
+        (at,) = sample.supporting
+        giver, obj, receiver = GIVE.match(sample.facts[at]).groups()
+        for fact in sample.facts[at + 1 :]:
+            assert obj not in fact.rstrip(".").split(), (fact, sample)
+            m = GIVE.match(fact)
+            assert not (m and (m[1], m[3]) == (giver, receiver)), (fact, sample)
+        after[len(sample.facts) - 1 - at] += 1
+    assert set(after) == set(range(6)), after
+    assert all(0.1 < after[k] / N_DESIGN < 0.3 for k in range(1, 6)), after
+
+
 def test_route_answers_are_uniform_over_the_twelve_two_step_paths():
     """qa19 (PathFinding.lua): the route is laid first, two steps that never turn back, so each of the 12 answers
     has chance 1/12 (straight routes were 40% when the route was picked among a random tree's)."""

@@ -263,9 +263,22 @@ def test_a_run_waiting_for_another_process_building_the_warm_start_says_so(tmp_p
     assert result == [path]
 
 
+def test_a_task_whose_stories_change_gets_a_new_warm_start_file(monkeypatch):
+    """data.babi.REVISIONS: a generator change (qa5's recent gives) must not reuse warm starts of the old stories;
+    the tasks that start from its warm start get new files too, the others keep theirs."""
+    register_resolvers()
+    files = {
+        t: warm_start_file(compose_train(["model=rmt_r", f"task={t}"])) for t in ("qa1", "qa2", "qa4", "qa5")
+    }
+    monkeypatch.setitem(pretrain_babi.REVISIONS, "qa1", 1)
+    monkeypatch.delitem(pretrain_babi.REVISIONS, "qa5")
+    after = {t: warm_start_file(compose_train(["model=rmt_r", f"task={t}"])) for t in files}
+    assert {t for t in files if after[t] != files[t]} == {"qa1", "qa2", "qa5"}
+
+
 def test_warm_start_steps_default_to_the_tasks_cap_and_an_explicit_value_wins():
     """steps=null: qa1 trains up to its own cap (15,000: its target comes at 6,750-9,250 steps by machine), other
-    tasks up to the default (9,000: qa4's and qa5's cached files keep their keys); warm_start.steps=N sets any task's.
+    tasks up to the default (9,000: qa4's cached file keeps its key); warm_start.steps=N sets any task's.
     qa2's key holds the file of qa1's warm start it begins from, so a change there is a new qa2 file."""
     register_resolvers()
     qa1, qa2 = (compose_train(["model=rmt_r", f"task={t}"]) for t in ("qa1", "qa2"))

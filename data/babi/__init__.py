@@ -10,12 +10,13 @@ Command line: `python -m data.babi --help`.
 """
 
 from data.babi.io import read_babi, write_babi
-from data.babi.registry import FACT_RANGES, LONG_NAMES, TASKS, generate_task, task_name
+from data.babi.registry import FACT_RANGES, LONG_NAMES, REVISIONS, TASKS, generate_task, task_name
 from data.babi.sample import Sample
 
 __all__ = [
     "FACT_RANGES",
     "LONG_NAMES",
+    "REVISIONS",
     "TASKS",
     "Sample",
     "generate_task",

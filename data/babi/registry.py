@@ -37,6 +37,10 @@ _SPECS: dict[str, tuple[str, Generator, tuple[int, int]]] = {
     "qa20": ("agents-motivations", reasoning.qa20, reasoning.QA20_FACTS),
 }
 
+# Bumped when a task's stories change: caches built from its samples (warm starts) key on it, so none is reused.
+# qa5 1: questions about a give within its story's last 6 facts (WhoWhatGave.lua), not about any give.
+REVISIONS: dict[str, int] = {"qa5": 1}
+
 TASKS: dict[str, Generator] = {name: spec[1] for name, spec in _SPECS.items()}
 LONG_NAMES: dict[str, str] = {name: f"{name}_{spec[0]}" for name, spec in _SPECS.items()}
 FACT_RANGES: dict[str, tuple[int, int]] = {name: spec[2] for name, spec in _SPECS.items()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from functools import partial
 
 from data.babi.sample import Sample, story_length
 from data.babi.vocab import COUNTS, GIVERS, OBJECTS, PEOPLE, ROOMS
@@ -65,7 +66,8 @@ def qa3(rng: random.Random) -> Sample:
 
 def qa5(rng: random.Random) -> Sample:
     """Three-argument relations: "Fred gave the football to Bill." / "Who gave the football to Bill?" """
-    return _play(rng, QA5_FACTS, _who_gave, GIVERS, follow=0.5, move=1.0, pick_up=1.0, drop=0.3, give=1.5)
+    asked = partial(_who_gave, after=rng.randint(0, GIVE_ASKED_WITHIN))
+    return _play(rng, QA5_FACTS, asked, GIVERS, follow=0.5, move=1.0, pick_up=1.0, drop=0.3, give=1.5)
 
 
 def qa6(rng: random.Random) -> Sample:
@@ -121,24 +123,35 @@ def _where_was_object(world: World) -> Sample | None:
     return Sample(world.facts, f"Where was the {obj} before the {world.object_place(obj)}?", room, support)
 
 
-# Question shapes about gives: a template, the slots it names, the slot it asks. The latest give matching the
-# named slots answers it.
-_GIVE_QUESTIONS = (
-    ("Who gave the {obj}?", ("obj",), "giver"),
-    ("Who received the {obj}?", ("obj",), "receiver"),
-    ("Who gave the {obj} to {receiver}?", ("obj", "receiver"), "giver"),
-    ("Who did {giver} give the {obj} to?", ("giver", "obj"), "receiver"),
-    ("What did {giver} give to {receiver}?", ("giver", "receiver"), "obj"),
+_GIVE_QUESTIONS = (  # the question about a give, the slot it asks
+    ("Who gave the {obj}?", "giver"),
+    ("Who received the {obj}?", "receiver"),
+    ("Who gave the {obj} to {receiver}?", "giver"),
+    ("Who did {giver} give the {obj} to?", "receiver"),
+    ("What did {giver} give to {receiver}?", "obj"),
 )
+GIVE_ASKED_WITHIN = 5  # facts after the asked give at most (bAbI's WhoWhatGave: 0-5, drawn uniformly)
 
 
-def _who_gave(world: World) -> Sample | None:
-    if not world.gives:
+def _who_gave(world: World, after: int) -> Sample | None:
+    """About the give `after` facts before the story's end (fewer in a short story), as bAbI's WhoWhatGave asks:
+    right after a give or after up to 5 more facts, none of them naming its object or another give from the same
+    giver to the same receiver (so each question shape has one answer and no later fact matches the give in part)."""
+    at = len(world.facts) - 1 - min(after, len(world.facts) - 2)
+    give = next((g for g in world.gives if g["at"] == at), None)
+    if give is None or not _last_word_on(world, give):
         return None
-    template, named, asked = world.rng.choice(_GIVE_QUESTIONS)
-    latest = {tuple(give[slot] for slot in named): give for give in world.gives}
-    give = world.rng.choice(list(latest.values()))
+    template, asked = world.rng.choice(_GIVE_QUESTIONS)
     return Sample(world.facts, template.format(**give), give[asked], [give["at"]])
+
+
+def _last_word_on(world: World, give: dict[str, str | int]) -> bool:
+    """No fact after `give` names its object, and no later give goes from its giver to its receiver."""
+    later = world.facts[int(give["at"]) + 1 :]
+    pair = (give["giver"], give["receiver"])
+    return all(give["obj"] not in fact.rstrip(".").split() for fact in later) and not any(
+        (g["giver"], g["receiver"]) == pair for g in world.gives if g["at"] > give["at"]
+    )
 
 
 def _dealt_with(world: World) -> tuple[str, list[int]] | None:
