@@ -114,6 +114,25 @@ def losses(model: nn.Module, batch: dict) -> tuple[Tensor, Tensor, Tensor]:
     return ce[answer].mean(), ctx, exact_match(logits, targets, batch).bool()
 
 
+def asking(samples: list, question: str, task: str) -> list:
+    """The samples whose question starts with `question`."""
+    chosen = [s for s in samples if s.question.startswith(question)]
+    if not chosen:
+        asked = sorted({" ".join(s.question.split()[:2]) for s in samples})
+        raise ConfigError(
+            f"warm_start.focus: no {task} question starts with {question!r}; its questions start with {asked}."
+        )
+    return chosen
+
+
+def draw_source(
+    pool: TaskTokens, focused: TaskTokens, focus: dict, step: int, rng: np.random.Generator
+) -> TaskTokens:
+    """The stories step `step` (from 1) draws its batch from: the focused ones for the first focus["steps"]
+    steps, then with probability focus["share"]."""
+    return focused if step <= focus["steps"] or rng.random() < focus["share"] else pool
+
+
 def pretrain(
     backbone: nn.Module,
     tokenizer,
@@ -129,6 +148,7 @@ def pretrain(
     eval_every: int = 250,
     target_accuracy: float | None = None,
     seed: int = 0,
+    focus: dict | None = None,
     log: Callable[[str], None] | None = None,
     progress: bool = False,
 ) -> float:
@@ -136,14 +156,20 @@ def pretrain(
     A batch has `batch_size` stories of one length band, fewer for long bands with a token budget `batch_tokens`
     (TaskTokens.draw_facts_only): qa2, qa3 and qa5 stories run to hundreds of tokens.
 
+    `focus` ({question, steps, share}): the stories whose question starts with `question` fill every batch of the
+    first `steps` steps and, after them, a `share` of the batches; each evaluation also reports their accuracy.
     Stops early once the validation accuracy reaches `target_accuracy` (None: run every step). `log` (default:
     print) gets what the run will do, a JSON line per evaluation (with the ETA of the remaining steps) and why it
     stopped; progress: a bar with rate and ETA that ends full when the target stops the run early.
     """
     log = log or partial(print, flush=True)
     check_task(task)
-    pool = TaskTokens(generate_task(task, n=n_pool, seed=seed), tokenizer)
-    val = TaskTokens(generate_task(task, n=n_val, seed=seed + 10**6), tokenizer)
+    samples, val_samples = (
+        generate_task(task, n=n_pool, seed=seed),
+        generate_task(task, n=n_val, seed=seed + 10**6),
+    )
+    pool, val = TaskTokens(samples, tokenizer), TaskTokens(val_samples, tokenizer)
+    focused = None if focus is None else TaskTokens(asking(samples, focus["question"], task), tokenizer)
     vocab = TaskVocabulary(pool, tokenizer.pad_id)
     missing = set(np.concatenate([*val.answer, *val.tail]).tolist()) - set(vocab.ids.tolist())
     if missing:
@@ -151,32 +177,47 @@ def pretrain(
     model = compact_backbone(backbone, vocab)
     # validation needs no gradients: 4x a training batch's tokens
     val_budget = None if batch_tokens is None else 4 * batch_tokens
+    val_rows = val.facts_only_batches(128, val_budget)
     val_batches = [
-        vocab.compact(collate([facts_only(val, int(i)) for i in rows], tokenizer.pad_id))
-        for rows in val.facts_only_batches(128, val_budget)
+        vocab.compact(collate([facts_only(val, int(i)) for i in rows], tokenizer.pad_id)) for rows in val_rows
     ]
+    val_focus = torch.tensor(  # (n_val,) in val_rows' order: the held-out stories asking the focus question
+        [
+            focus is not None and val_samples[i].question.startswith(focus["question"])
+            for i in np.concatenate(val_rows)
+        ]
+    )
 
     @torch.no_grad()
-    def accuracy() -> float:
+    def accuracy() -> dict[str, float]:
         model.eval()
-        hits = torch.cat([losses(model, b)[2] for b in val_batches])
+        hits = torch.cat([losses(model, b)[2] for b in val_batches]).float()
         model.train()
-        return float(hits.float().mean())
+        return {"acc": float(hits.mean())} | (
+            {"focus_acc": round(float(hits[val_focus].mean()), 4)} if val_focus.any() else {}
+        )
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup_steps))
     rng = np.random.default_rng(seed)
     budget = f" (at most {batch_tokens} tokens)" if batch_tokens else ""
     stop = f", stopping once it reaches {target_accuracy}" if target_accuracy is not None else ""
+    first = ""
+    if focus is not None:
+        first = (
+            f" The first {focus['steps']} steps, then a share {focus['share']} of the batches, draw from its "
+            f'{len(focused)} stories asking "{focus["question"]}..." (focus_acc: their held-out exact match).'
+        )
     log(
         f"Warm start: next-token training of the backbone on {task} facts-only stories, up to {steps} steps of "
-        f"{batch_size} stories{budget}; facts-only exact match on {n_val} held-out stories every {eval_every} steps{stop}."
+        f"{batch_size} stories{budget}; facts-only exact match on {n_val} held-out stories every {eval_every} steps{stop}.{first}"
     )
     t0, acc = time.perf_counter(), 0.0
     with Progress(*Progress.get_default_columns(), disable=not progress) as bar:
         job = bar.add_task(f"pretraining on {task}", total=steps)
         for step in range(1, steps + 1):
-            rows = [facts_only(pool, int(i)) for i in pool.draw_facts_only(rng, batch_size, batch_tokens)]
+            source = pool if focus is None else draw_source(pool, focused, focus, step, rng)
+            rows = [facts_only(source, int(i)) for i in source.draw_facts_only(rng, batch_size, batch_tokens)]
             batch = vocab.compact(collate(rows, tokenizer.pad_id, context_loss=True))
             answer, ctx, _ = losses(model, batch)
             loss = answer + context_weight * ctx
@@ -187,12 +228,12 @@ def pretrain(
             sched.step()
             bar.advance(job)
             if step % eval_every == 0 or step == steps:
-                acc = accuracy()
-                minutes = (time.perf_counter() - t0) / 60
+                scores = accuracy()
+                acc, minutes = scores["acc"], (time.perf_counter() - t0) / 60
                 line = {
                     "step": step,
                     "answer_loss": round(answer.item(), 4),
-                    "acc": acc,
+                    **scores,
                     "min": round(minutes, 2),
                 }
                 line["eta_min"] = round(
@@ -244,6 +285,13 @@ def settings_of(cfg: DictConfig) -> dict:
     settings = OmegaConf.to_container(cfg.warm_start, resolve=True)
     settings.pop("from_task", None)
     caps = settings.pop("task_steps", None) or {}
+    if (focus := (settings.pop("focus", None) or {}).get(cfg.task.get("task"))) is not None:
+        if set(focus) != {"question", "steps", "share"} or not 0 <= focus["share"] <= 1 or focus["steps"] < 0:
+            raise ConfigError(
+                f"warm_start.focus.{cfg.task.task} needs question (its start), steps >= 0 and 0 <= share <= 1, "
+                f"got {focus}"
+            )
+        settings["focus"] = focus  # only then: the other tasks' cached warm starts keep their keys
     if settings["steps"] is None:
         settings["steps"] = caps.get(cfg.task.get("task"), caps.get("default"))
     if settings["steps"] is None:

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -302,3 +303,45 @@ def test_warm_start_steps_default_to_the_tasks_cap_and_an_explicit_value_wins():
         )
     with pytest.raises(ValueError, match="warm_start.steps must be a number of steps >= 1"):
         warm_start_file(compose_train(["model=rmt_r", "task=qa1", "warm_start.steps=abc"]))
+
+
+def test_focus_fills_the_first_steps_then_a_share_of_the_batches_and_reports_its_accuracy(tok):
+    """warm_start.focus: qa5's "What did X give to Z?" stays at chance when its stories are a fifth of every batch
+    but learns alone (docs/babilong_qa2_qa5.md). The first `steps` batches draw only from the stories asking it,
+    then a `share` of them; each evaluation's focus_acc is the exact match on the held-out stories asking it."""
+    samples = generate_task("qa5", n=500, seed=0)
+    focused = pretrain_babi.asking(samples, "What did", "qa5")
+    assert 0 < len(focused) < len(samples) and all(s.question.startswith("What did ") for s in focused)
+    pool, few = TaskTokens(samples, tok), TaskTokens(focused, tok)
+    focus = {"question": "What did", "steps": 3, "share": 0.25}
+    rng = np.random.default_rng(0)
+    drawn = [pretrain_babi.draw_source(pool, few, focus, step, rng) is few for step in range(1, 4004)]
+    assert all(drawn[:3]) and abs(np.mean(drawn[3:]) - 0.25) < 0.03
+    with pytest.raises(ValueError, match="no qa5 question starts with 'Where'; its questions start with"):
+        pretrain_babi.asking(samples, "Where", "qa5")
+
+    lines, model = [], tiny(tok)
+    pretrain(
+        model, tok, task="qa5", steps=4, n_pool=500, n_val=64, eval_every=4, focus=focus, log=lines.append
+    )
+    assert "then a share 0.25 of the batches, draw from its" in lines[0] and '"What did..."' in lines[0]
+    val = [s for s in generate_task("qa5", n=64, seed=10**6) if s.question.startswith("What did")]
+    vocab = TaskVocabulary(pool, tok.pad_id)
+    batch = vocab.compact(collate([facts_only(TaskTokens(val, tok), i) for i in range(len(val))], tok.pad_id))
+    with torch.no_grad():
+        hits = losses(compact_backbone(model.eval(), vocab), batch)[2]
+    assert json.loads(lines[1])["focus_acc"] == round(hits.float().mean().item(), 4)
+
+
+def test_focus_is_qa5s_alone_and_bad_values_say_what_it_needs():
+    """Only qa5 has a focus (the other tasks' cached warm starts keep their keys); null turns it off (a new file)."""
+    register_resolvers()
+    qa1, qa5 = (compose_train(["model=rmt_r", f"task={t}"]) for t in ("qa1", "qa5"))
+    assert "focus" not in pretrain_babi.settings_of(qa1)
+    assert pretrain_babi.settings_of(qa5)["focus"] == {"question": "What did", "steps": 2500, "share": 0.3}
+    off = compose_train(["model=rmt_r", "task=qa5", "warm_start.focus.qa5=null"])
+    assert "focus" not in pretrain_babi.settings_of(off) and warm_start_file(off) != warm_start_file(qa5)
+    with pytest.raises(
+        ValueError, match=r"warm_start.focus.qa5 needs question \(its start\), steps >= 0 and 0 <= share"
+    ):
+        pretrain_babi.settings_of(compose_train(["model=rmt_r", "task=qa5", "warm_start.focus.qa5.share=2"]))
