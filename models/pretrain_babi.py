@@ -164,10 +164,8 @@ def pretrain(
     """
     log = log or partial(print, flush=True)
     check_task(task)
-    samples, val_samples = (
-        generate_task(task, n=n_pool, seed=seed),
-        generate_task(task, n=n_val, seed=seed + 10**6),
-    )
+    samples = generate_task(task, n=n_pool, seed=seed)
+    val_samples = generate_task(task, n=n_val, seed=seed + 10**6)
     pool, val = TaskTokens(samples, tokenizer), TaskTokens(val_samples, tokenizer)
     focused = None if focus is None else TaskTokens(asking(samples, focus["question"], task), tokenizer)
     vocab = TaskVocabulary(pool, tokenizer.pad_id)
