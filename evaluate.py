@@ -113,16 +113,23 @@ def babilong(
 
     memory="reset": the ablation of a memory model (RMT, RMT-R, ARMT): its memory is reset every segment, so facts
     before the question's segment are out of reach; writes babilong_reset.json, heatmap_reset.png and returns
-    `babilong_reset/...`. early_facts=True keeps only samples whose facts all lie before the memory model's last
-    segment (the question's), so that the answer must come through memory (`babilong[_reset]_early_facts/...`)."""
+    `babilong_reset/...`. memory="latest": RMT-R retrieves from its latest memory state alone, the one RMT reads
+    (the ablation of its retrieval over past states; `babilong_latest/...`). early_facts=True keeps only samples
+    whose facts all lie before the memory model's last segment (the question's), so that the answer must come
+    through memory (`babilong[_reset|_latest]_early_facts/...`)."""
     from data.babilong import batch_to, length_name
     from data.curriculum import BabilongDataModule
 
-    if memory not in ("carried", "reset"):
+    if memory not in ("carried", "reset", "latest"):
         raise ConfigError(
-            f"eval.babilong.memory={memory}: use carried (the model as trained) or reset (ablation)."
+            f"eval.babilong.memory={memory}: use carried (the model as trained), reset or latest (ablations)."
         )
-    reset = memory == "reset"
+    reset, latest = memory == "reset", memory == "latest"
+    if latest and not hasattr(model, "retrieving_latest"):
+        raise ConfigError(
+            f"eval.babilong.memory=latest limits RMT-R's retrieval to its latest memory state; {type(model).__name__} "
+            "does not retrieve. Use an RMT-R checkpoint, or memory=carried / reset."
+        )
     if reset and "recurrent" not in inspect.signature(model.forward).parameters:
         raise ConfigError(
             f"eval.babilong.memory=reset resets a memory model's memory every segment; {type(model).__name__} has no "
@@ -138,7 +145,7 @@ def babilong(
             "eval.babilong.early_facts=true with length 0: the facts alone are one segment, with nothing before it. "
             "Drop 0 from eval.babilong.lengths."
         )
-    name = "babilong" + ("_reset" if reset else "") + ("_early_facts" if early_facts else "")
+    name = "babilong" + {"carried": ""}.get(memory, f"_{memory}") + ("_early_facts" if early_facts else "")
     device = next(model.parameters()).device
     settings = dict(seed=seed, official=official, answer_prompt=answer_prompt, memory=memory)
     settings |= dict(early_facts=early_facts, weights=state_digest({"state_dict": model.state_dict()}))
@@ -160,7 +167,8 @@ def babilong(
             hits, total = 0.0, 0
             for batch in track(loader, f"babilong {task} @ {length_name(length)}"):
                 batch = batch_to(batch, device)
-                out = model(batch, recurrent=False) if reset else model(batch)
+                with model.retrieving_latest() if latest else contextlib.nullcontext():
+                    out = model(batch, recurrent=False) if reset else model(batch)
                 hits += exact_match(out.logits, out.targets, batch).sum().item()
                 total += len(batch["input_ids"])
             new["accuracy"].setdefault(task, {})[length_name(length)] = hits / total
@@ -169,7 +177,8 @@ def babilong(
     write_json(Path(out_dir) / f"{name}.json", settings | saved)
     counts = sorted({c for row in saved["samples"].values() for c in row.values()})
     many = str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
-    notes = [", memory reset every segment"] * reset + [", facts before the last segment"] * early_facts
+    notes = [", memory reset every segment"] * reset + [", retrieval from the latest state only"] * latest
+    notes += [", facts before the last segment"] * early_facts
     plot_accuracy_heatmap(
         saved["accuracy"],
         Path(out_dir) / f"heatmap{name.removeprefix('babilong')}.png",

@@ -61,7 +61,8 @@ class EvaluatedModel:
             model.forgetting = ForgettingCurveResult.load_json(f)
         if (f := results / "ppl_by_position" / "ppl_by_position.json").exists():
             model.by_position = PplByPositionResult.load_json(f)
-        for f in sorted((results / "babilong").glob("babilong*.json")):  # babilong[_reset][_early_facts]
+        # babilong[_reset|_latest][_early_facts]
+        for f in sorted((results / "babilong").glob("babilong*.json")):
             model.babilong[f.stem] = json.loads(f.read_text())["accuracy"]
         return model
 
@@ -137,12 +138,15 @@ VARIANTS = {  # babilong evaluator files -> column prefix
     "babilong_reset": "reset ",
     "babilong_early_facts": "early ",
     "babilong_reset_early_facts": "early reset ",
+    "babilong_latest": "latest ",  # RMT-R retrieving from its latest state alone
+    "babilong_latest_early_facts": "early latest ",
 }
 
 
 def babilong_rows(models: list[EvaluatedModel]) -> list[dict]:
     """One row per model and task: accuracy by length with memory carried, then the ablations' columns ("reset 1k":
-    memory reset every segment, "early 1k": facts before the last segment); None where a cell was not evaluated."""
+    memory reset every segment, "early 1k": facts before the last segment, "latest 1k": RMT-R retrieving from its
+    latest state alone); None where a cell was not evaluated."""
     cells: dict[tuple[str, str], dict[str, float]] = {}
     columns: dict[str, tuple] = {}
     for m in models:

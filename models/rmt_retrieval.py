@@ -17,6 +17,9 @@ transitions through retrieval either (the reference implementation refuses k2).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -69,14 +72,28 @@ class RMTRetrieval(RMT):
             backbone, num_memory, segment_size, k2, checkpoint_segments, alibi_free_memory, memory_scale
         )
         self.retrieval = MemoryRetrieval(backbone.hidden_size, retrieval_mlp_ratio).to(self.memory.device)
+        self.latest_only = False  # retrieving_latest(): the bank holds M_{t-1} alone
+
+    @contextmanager
+    def retrieving_latest(self) -> Iterator[None]:
+        """Within it the bank holds the latest state M_{t-1} alone, the one state RMT reads: an ablation of
+        retrieval over past states (evaluate.py eval.babilong.memory=latest). States built inside stay so."""
+        self.latest_only = True
+        try:
+            yield
+        finally:
+            self.latest_only = False
 
     def _entry(self, memory: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         """Bank entry of a state (B, m, D) for the rows where valid (B,)."""
         return self.retrieval.bank_entry(memory), valid[:, None].expand(-1, memory.shape[1])
 
     def initial_state(self, batch_size: int) -> MemoryState:
-        memory = super().initial_state(batch_size).memory
-        valid = torch.ones(batch_size, dtype=torch.bool, device=memory.device)
+        return self.latest_state(super().initial_state(batch_size).memory)
+
+    def latest_state(self, memory: Tensor) -> MemoryState:
+        """The state of memory (B, m, D), its bank holding that state alone."""
+        valid = torch.ones(memory.shape[0], dtype=torch.bool, device=memory.device)
         return MemoryState(memory, MemoryBank.start(*self._entry(memory, valid)))
 
     def read_memory(self, state: MemoryState) -> Tensor:
@@ -84,10 +101,14 @@ class RMTRetrieval(RMT):
 
     def next_state(self, state: MemoryState, new_memory: Tensor, has_tokens: Tensor) -> MemoryState:
         memory = super().next_state(state, new_memory, has_tokens).memory
+        if self.latest_only:  # a row without tokens kept its memory, so its one entry stays as it was
+            return self.latest_state(memory)
         return MemoryState(memory, state.bank.append(*self._entry(memory, has_tokens)))
 
     def restart_rows(self, state: MemoryState, rows: Tensor) -> MemoryState:
         memory = super().restart_rows(state, rows).memory
+        if self.latest_only:
+            return self.latest_state(memory)
         bank = state.bank.invalidate(rows).append(*self._entry(memory, rows)).compact()
         return MemoryState(memory, bank)
 

@@ -126,6 +126,8 @@ def test_babilong_results_of_several_models_make_one_tasks_by_lengths_table(tmp_
             )
     reset = {"n": 2, "memory": "reset", "accuracy": {"qa1": {"1k": 0.5}}}
     (folders["rmt_r"] / "babilong_reset_early_facts.json").write_text(json.dumps(reset))
+    latest = {"n": 2, "memory": "latest", "accuracy": {"qa1": {"1k": 0.25}}}
+    (folders["rmt_r"] / "babilong_latest_early_facts.json").write_text(json.dumps(latest))
     models = [EvaluatedModel.load(tmp_path / label, label, 7) for label in folders]
     assert models[0].babilong["babilong"] == {"qa2": {"200": 0.0, "0k": 0.0}, "qa1": {"200": 1.0, "0k": 1.0}}
     rows = babilong_rows(models)
@@ -135,16 +137,17 @@ def test_babilong_results_of_several_models_make_one_tasks_by_lengths_table(tmp_
         ("rmt", "qa2"),
         ("rmt_r", "qa2"),
     ]
-    assert list(rows[0]) == ["model", "task", "facts only", "200", "early reset 1k"]
+    assert list(rows[0]) == ["model", "task", "facts only", "200", "early reset 1k", "early latest 1k"]
     assert [r["early reset 1k"] for r in rows] == [None, 0.5, None, None]
+    assert [r["early latest 1k"] for r in rows] == [None, 0.25, None, None]
     assert compare(models, tmp_path / "cmp") == {}  # BABILong only: no correlations, no comparison.* files
     table = (tmp_path / "cmp" / "babilong.md").read_text().splitlines()
-    assert table[0] == "| model | task | facts only | 200 | early reset 1k |"
+    assert table[0] == "| model | task | facts only | 200 | early reset 1k | early latest 1k |"
     assert table[2:] == [
-        "| rmt | qa1 | 1.00 | 1.00 | – |",
-        "| rmt_r | qa1 | 1.00 | 1.00 | 0.50 |",
-        "| rmt | qa2 | 0.00 | 0.00 | – |",
-        "| rmt_r | qa2 | 1.00 | 1.00 | – |",
+        "| rmt | qa1 | 1.00 | 1.00 | – | – |",
+        "| rmt_r | qa1 | 1.00 | 1.00 | 0.50 | 0.25 |",
+        "| rmt | qa2 | 0.00 | 0.00 | – | – |",
+        "| rmt_r | qa2 | 1.00 | 1.00 | – | – |",
     ]
     assert (tmp_path / "cmp" / "babilong.png").stat().st_size > 5_000
     assert not list((tmp_path / "cmp").glob("comparison.*"))

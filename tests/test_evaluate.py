@@ -38,6 +38,7 @@ from models.config_errors import ConfigError
 from models.lm import CausalLM
 from models.outputs import ModelOutput, scored_positions
 from models.rmt import RMT
+from models.rmt_retrieval import RMTRetrieval
 from models.run_config import checkpoint_config
 from train import train
 
@@ -268,6 +269,27 @@ def test_babilong_memory_reset_runs_the_ablation_and_refuses_models_without_memo
         babilong(Oracle(tokenizer.vocab_size), tokenizer, tiny_corpus(), tmp_path, memory="reset", **kwargs)
     with pytest.raises(ConfigError, match="memory=forgetful: use carried"):
         babilong(model, tokenizer, tiny_corpus(), tmp_path, memory="forgetful", **kwargs)
+
+
+def test_babilong_memory_latest_retrieves_from_rmt_rs_latest_state_alone_and_refuses_rmt(tmp_path, cache):
+    """eval.babilong.memory=latest: RMT-R's retrieval sees one state (m bank entries) at every segment, the scores go
+    to babilong_latest; RMT, which does not retrieve, is refused."""
+    tokenizer = build_tokenizer()
+    bb = build_llama(tokenizer.vocab_size, 32, 1, 2, 2, 64, 512)
+    model = RMTRetrieval(bb, num_memory=2, segment_size=64).eval()
+    banks = []
+    model.retrieval.register_forward_pre_hook(lambda mod, args: banks.append(args[1].states.shape[1]))
+    kwargs = dict(tasks=("qa1",), lengths=(200,), n=2, batch_size=2)
+    latest = babilong(model, tokenizer, tiny_corpus(), tmp_path, memory="latest", **kwargs)
+    assert set(latest) == {"babilong_latest/qa1/acc@200", "babilong_latest/acc"} and not model.latest_only
+    assert len(banks) >= 4 and set(banks) == {2}  # 200 context tokens and the question: 4 segments
+    assert json.loads((tmp_path / "babilong_latest.json").read_text())["memory"] == "latest"
+    banks.clear()
+    babilong(model, tokenizer, tiny_corpus(), tmp_path, **kwargs)
+    assert banks[:4] == [2, 4, 6, 8]  # carried: every past state
+    rmt = RMT(bb, num_memory=2, segment_size=64)
+    with pytest.raises(ConfigError, match="memory=latest limits RMT-R's retrieval .* RMT does not retrieve"):
+        babilong(rmt, tokenizer, tiny_corpus(), tmp_path, memory="latest", **kwargs)
 
 
 def test_babilong_adds_cells_to_an_earlier_evaluation_of_the_same_weights_only(tmp_path, cache):

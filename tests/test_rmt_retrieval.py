@@ -61,6 +61,34 @@ def test_segments_equal_hand_built_forwards_with_retrieval(scale):
         torch.testing.assert_close(torch.zeros_like(p) if g is None else g, r, atol=1e-5, rtol=1e-4)
 
 
+def test_retrieving_latest_equals_hand_built_forwards_that_retrieve_from_the_last_state_alone():
+    """The ablation of evaluate.py's eval.babilong.memory=latest: each segment retrieves from [M_{t-1}] alone; a
+    row that ran out of tokens keeps its state; outside the context the bank holds every state again."""
+    torch.manual_seed(0)
+    bb = tiny_backbone()
+    m = 2
+    model = RMTRetrieval(bb, num_memory=m, segment_size=4).eval()
+    ids = torch.randint(0, V, (2, 10))  # segments of 2, 4, 4 tokens; row 1 is padding after its 6th token
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, 6:] = False
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.where(mask, ids, -100)}
+    with torch.no_grad():
+        full = model(batch).logits
+        with model.retrieving_latest():
+            latest = model(batch).logits
+        assert not model.latest_only
+        torch.testing.assert_close(model(batch).logits, full)
+        memory = model.memory.expand(2, -1, -1)
+        logits = []
+        for a, b in [(0, 2), (2, 6), (6, 10)]:
+            read = torch.cat([memory, retrieve_by_hand(model, memory, [memory])], 1)
+            hidden = bb(inputs_embeds=torch.cat([read, bb.embed(ids[:, a:b]), memory], 1))
+            logits.append(bb.head(hidden[:, 2 * m : 2 * m + b - a]))  # row 1's last segment: not scored
+            memory = torch.where(mask[:, a:b].any(1)[:, None, None], hidden[:, 2 * m + b - a :], memory)
+    torch.testing.assert_close(latest, torch.cat(logits, 1)[mask], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(latest, full)
+
+
 def test_bank_and_read_memory_grow_as_specified():
     """Before segment t the bank holds t states (t*m entries), retrieval attends over all of them, and the
     backbone sees 2m read + L tokens + m write positions."""
