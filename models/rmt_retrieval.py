@@ -77,7 +77,7 @@ class RMTRetrieval(RMT):
     @contextmanager
     def retrieving_latest(self) -> Iterator[None]:
         """Within it the bank holds the latest state M_{t-1} alone, the one state RMT reads: an ablation of
-        retrieval over past states (evaluate.py eval.babilong.memory=latest). States built inside stay so."""
+        retrieval over past states (evaluate.py eval.babilong.memory=latest)."""
         self.latest_only = True
         try:
             yield
