@@ -30,7 +30,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from torch import Tensor
 
-from models.llama import Attention, Llama, apply_rope
+from models.llama import Attention, Llama, allowed_keys, apply_rope, stick_breaking_weights
 from models.memory import MemoryState
 from models.rmt import RMT
 
@@ -121,22 +121,26 @@ def fact_segments_of(dataset, i: int, model: RMT) -> tuple[list[int], int]:
 
 def attention_probs(attn: Attention, x: Tensor, rope_for, mask_for) -> Tensor:
     """Probabilities (B, H, T, T) of one of our Llama's attention layers, from its inputs (as the layer gets them:
-    normed hidden states x (B, T, D), its rotary and mask builders), without a KV cache."""
+    normed hidden states x (B, T, D), its rotary and mask builders), without a KV cache; stick-breaking heads'
+    weights sum to at most 1."""
     cfg, (B, T, _) = attn.cfg, x.shape
     q = attn.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)
     k = attn.k_proj(x).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
     if cfg.key_norm:
         k = F.normalize(k, dim=-1)
-    cos, sin = (t.to(q.dtype) for t in rope_for(T))
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k = k.repeat_interleave(cfg.n_heads // cfg.n_kv_heads, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * (cfg.attn_scale or cfg.head_dim**-0.5)  # (B, H, T, T)
-    mask = mask_for(T)
-    if mask is None:
-        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-    if mask.is_floating_point():  # an ALiBi bias, -inf where attending is not allowed
-        return (scores + mask).softmax(-1)
-    return scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    scale, mask, S = cfg.attn_scale or cfg.head_dim**-0.5, mask_for(T), cfg.stick_breaking_heads
+    allowed = allowed_keys(mask, T, T, x.device)
+    stick = []  # the first S heads: stick-breaking, no positions
+    if S:
+        z = (q[:, :S] @ k[:, :S].transpose(-1, -2)) * scale + attn.stick_bias[:, None, None]
+        stick = [stick_breaking_weights(z, allowed)]
+    cos, sin = (t.to(q.dtype) for t in rope_for(T))
+    q, k = apply_rope(q[:, S:], cos, sin), apply_rope(k[:, S:], cos, sin)
+    scores = (q @ k.transpose(-1, -2)) * scale  # (B, H - S, T, T)
+    if mask is not None and mask.is_floating_point():  # an ALiBi bias, -inf where attending is not allowed
+        return torch.cat([*stick, (scores + mask).softmax(-1)], 1)
+    return torch.cat([*stick, scores.masked_fill(~allowed, float("-inf")).softmax(-1)], 1)
 
 
 @torch.no_grad()

@@ -87,6 +87,7 @@ def build_llama(
     key_norm: bool = False,
     attn_scale: float | None = None,
     alibi: bool = False,
+    stick_breaking_heads: int = 0,
     init_std: float = 0.02,
     embed_init_std: float | None = None,
     weights: str | None = None,
@@ -107,6 +108,7 @@ def build_llama(
             key_norm=key_norm,
             attn_scale=attn_scale,
             alibi=alibi,
+            stick_breaking_heads=stick_breaking_heads,
             init_std=init_std,
             embed_init_std=embed_init_std,
         )

@@ -35,6 +35,9 @@ class LlamaConfig:
     key_norm: bool = False  # L2-normalise keys over the head dimension (Llama-XL)
     attn_scale: float | None = None  # None: 1/sqrt(head_dim)
     alibi: bool = False  # add ALiBi's per-head linear recency bias (Press et al. 2022) to the RoPE attention
+    stick_breaking_heads: int = (
+        0  # the first heads attend by stick-breaking (Tan et al. 2024), without RoPE/ALiBi
+    )
     init_std: float = 0.02
     embed_init_std: float | None = None  # None: init_std
 
@@ -43,6 +46,10 @@ class LlamaConfig:
             raise ConfigError(f"hidden_size {self.hidden_size} must be divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"n_heads {self.n_heads} must be divisible by n_kv_heads {self.n_kv_heads}")
+        if not 0 <= self.stick_breaking_heads <= self.n_heads:
+            raise ConfigError(
+                f"stick_breaking_heads must be between 0 and n_heads ({self.n_heads}), got {self.stick_breaking_heads}"
+            )
         if (self.hidden_size // self.n_heads) % 2:
             raise ConfigError("head_dim (hidden_size / n_heads) must be even for rotary embeddings")
 
@@ -110,6 +117,24 @@ def alibi_bias(
     return (-slopes[:, None, None] * distance).masked_fill(~mask, float("-inf"))
 
 
+def allowed_keys(mask: Tensor | None, Tq: int, Tk: int, device: torch.device) -> Tensor:
+    """Bool (B|1, 1, Tq, Tk), True = attend, from what `mask_for` gives: None (bottom-right causal), a bool mask, or
+    an ALiBi bias (-inf where attending is not allowed)."""
+    if mask is None:
+        return torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril(Tk - Tq)[None, None]
+    return mask[:, :1].isfinite() if mask.is_floating_point() else mask
+
+
+def stick_breaking_weights(z: Tensor, allowed: Tensor) -> Tensor:
+    """Attention weights (B, H, Tq, Tk) from scores z (B, H, Tq, Tk) by stick-breaking (Tan et al. 2024): key j's
+    weight for query i is sigmoid(z_ij) times the product over the allowed keys l in (j, i] of (1 - sigmoid(z_il)).
+    The nearest keys take their share of the stick first, so the latest match wins at any distance; the weights sum
+    to at most 1. allowed: bool (B|1, 1, Tq, Tk) (`allowed_keys`)."""
+    passed = F.logsigmoid(-z).masked_fill(~allowed, 0.0)  # log(1 - sigmoid(z)) of each allowed key
+    later = passed.flip(-1).cumsum(-1).flip(-1) - passed  # summed over the allowed keys after j
+    return (F.logsigmoid(z) + later).masked_fill(~allowed, float("-inf")).exp()
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -119,6 +144,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.n_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.n_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.hidden_size, bias=False)
+        if (
+            cfg.stick_breaking_heads
+        ):  # a key takes sigmoid(-5) = 0.7% of the stick at first: ~150 keys share it
+            self.stick_bias = nn.Parameter(torch.full((cfg.stick_breaking_heads,), -5.0))  # 1-D: no decay
 
     def forward(self, x: Tensor, rope_for, mask_for, cache: KVCacheHook | None, layer: int):
         cfg, (B, T, _) = self.cfg, x.shape
@@ -129,9 +158,18 @@ class Attention(nn.Module):
             k = F.normalize(k, dim=-1)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # un-rotated, cached ones first: (B, Hkv, Tk, hd)
+        mask, S = mask_for(k.shape[2]), cfg.stick_breaking_heads
+        if S:  # the first S heads: stick-breaking, no positions (its recency is its own); the others as below
+            groups = cfg.n_heads // cfg.n_kv_heads
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)  # (B, H, Tk, hd)
+            z = (q[:, :S] @ k[:, :S].transpose(-1, -2)) * (cfg.attn_scale or cfg.head_dim**-0.5)
+            allowed = allowed_keys(mask, T, k.shape[2], x.device)
+            y_stick = stick_breaking_weights(z + self.stick_bias[:, None, None], allowed) @ v[:, :S]
+            if S == cfg.n_heads:
+                return self.o_proj(y_stick.transpose(1, 2).reshape(B, T, -1))
+            q, k, v = q[:, S:], k[:, S:], v[:, S:]
         cos, sin = (t.to(q.dtype) for t in rope_for(k.shape[2]))  # the keys' (B, 1, Tk, hd); queries: last T
         q, k = apply_rope(q, cos[:, :, -T:], sin[:, :, -T:]), apply_rope(k, cos, sin)
-        mask = mask_for(k.shape[2])
         if mask is not None and mask.is_floating_point():
             mask = mask.to(q.dtype)  # an ALiBi bias meets autocast's dtype
         y = F.scaled_dot_product_attention(
@@ -141,8 +179,10 @@ class Attention(nn.Module):
             attn_mask=mask,
             is_causal=mask is None,
             scale=cfg.attn_scale,
-            enable_gqa=cfg.n_kv_heads != cfg.n_heads,
-        )  # (B, H, T, hd)
+            enable_gqa=k.shape[1] != q.shape[1],
+        )  # (B, H - S, T, hd)
+        if S:
+            y = torch.cat([y_stick, y], 1)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -280,7 +320,8 @@ class Llama(nn.Module):
                 mask = build_attention_mask(attention_mask, T, Tk, x.device)
                 if self.cfg.alibi:  # key positions as the attention's RoPE sees them
                     k_pos = key_positions(Tk)
-                    mask = alibi_bias(k_pos[:, -T:], k_pos, self.cfg.n_heads, mask, alibi_free)
+                    heads = self.cfg.n_heads - self.cfg.stick_breaking_heads  # the softmax heads
+                    mask = alibi_bias(k_pos[:, -T:], k_pos, heads, mask, alibi_free)
                 masks[Tk] = mask
             return masks[Tk]
 
@@ -326,9 +367,10 @@ class Llama(nn.Module):
         from transformers import LlamaConfig as HFLlamaConfig
 
         c = self.cfg
-        if c.alibi:
+        if c.alibi or c.stick_breaking_heads:
             raise ConfigError(
-                "an ALiBi backbone (alibi=true) has no Hugging Face Llama equivalent to export to"
+                "an ALiBi or stick-breaking backbone (alibi=true, stick_breaking_heads > 0) has no Hugging Face "
+                "Llama equivalent to export to"
             )
         return HFLlamaConfig(
             vocab_size=c.vocab_size,

@@ -6,7 +6,7 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
 from models.config_errors import ConfigError
-from models.llama import Llama, LlamaConfig, apply_rope, rope_cos_sin
+from models.llama import Llama, LlamaConfig, apply_rope, rope_cos_sin, stick_breaking_weights
 
 
 def tiny_cfg(**kw) -> LlamaConfig:
@@ -120,6 +120,70 @@ def test_alibi_keeps_left_padding_invariance_and_refuses_hf_export():
     assert not torch.allclose(plain.logits(ids), model.logits(ids))  # the bias changes the model
     with pytest.raises(ValueError, match="no Hugging Face Llama equivalent"):
         model.hf_config()
+
+
+def test_stick_breaking_heads_equal_a_hand_written_stick_beside_alibi_heads():
+    """The first two heads break each query's stick over its allowed keys from the nearest back: key j gets
+    sigmoid(z_ij + bias_h) of what the keys after it left (Tan et al. 2024), no positions; the other two are ALiBi
+    softmax heads with RoPE, their slopes spread over those two (1/16, 1/256). A left-padded row's padding takes
+    nothing."""
+    torch.manual_seed(0)
+    cfg = tiny_cfg(stick_breaking_heads=2, alibi=True)
+    model = Llama(cfg).eval()
+    attn, B, T, S = model.layers[0].self_attn, 2, 9, 2
+    keep = torch.ones(B, T, dtype=torch.long)
+    keep[1, :3] = 0  # row 1 left-padded
+    x = torch.randn(B, T, cfg.hidden_size)
+    q = attn.q_proj(x).view(B, T, cfg.n_heads, -1).transpose(1, 2).double()
+    k = attn.k_proj(x).view(B, T, cfg.n_kv_heads, -1).transpose(1, 2).double()
+    v = attn.v_proj(x).view(B, T, cfg.n_kv_heads, -1).transpose(1, 2).double()
+    k, v = (t.repeat_interleave(cfg.n_heads // cfg.n_kv_heads, dim=1) for t in (k, v))
+    attn.stick_bias.data = torch.tensor([-1.0, 0.5])  # learned, one per stick-breaking head
+    p = torch.sigmoid(
+        q[:, :S] @ k[:, :S].transpose(-1, -2) / cfg.head_dim**0.5 + attn.stick_bias.double()[:, None, None]
+    )
+    positions = (keep.cumsum(-1) - 1).clamp(min=0)
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, torch.float64)
+    rq, rk = apply_rope(q[:, S:], cos, sin), apply_rope(k[:, S:], cos, sin)
+    slopes = torch.tensor([1 / 16, 1 / 256], dtype=torch.float64)
+    bias = -slopes[None, :, None, None] * (positions[:, None, :, None] - positions[:, None, None, :]).clamp(
+        min=0
+    )
+    scores = rq @ rk.transpose(-1, -2) / cfg.head_dim**0.5 + bias  # (B, 2, T, T)
+    weights = torch.zeros(B, cfg.n_heads, T, T, dtype=torch.float64)
+    for b in range(B):
+        for i in range(T):
+            allowed = [j for j in range(i + 1) if keep[b, j] or j == i]
+            stick = torch.ones(S, dtype=torch.float64)
+            for j in reversed(allowed):
+                weights[b, :S, i, j] = stick * p[b, :, i, j]
+                stick = stick * (1 - p[b, :, i, j])
+            weights[b, S:, i, allowed] = scores[b, :, i, allowed].softmax(-1)
+    expected = attn.o_proj((weights @ v).float().transpose(1, 2).reshape(B, T, -1))
+    seen = {}
+    attn.register_forward_pre_hook(lambda module, args: seen.update(rope_for=args[1], mask_for=args[2]))
+    model(torch.randint(0, 97, (B, T)), attention_mask=keep)
+    torch.testing.assert_close(attn(x, seen["rope_for"], seen["mask_for"], None, 0), expected)
+
+
+def test_stick_breaking_picks_the_latest_match_at_any_distance():
+    """Two keys scoring alike: the later one takes almost all the weight however far back both lie, where softmax
+    with ALiBi's gentlest slope (1/256) splits it nearly evenly."""
+    T = 400
+    for first, latest in [(0, 8), (250, 258), (380, 388)]:
+        z = torch.full((1, 1, T, T), -12.0)
+        z[..., first] = z[..., latest] = 8.0
+        w = stick_breaking_weights(z, torch.ones(T, T, dtype=torch.bool).tril())[0, 0, -1]
+        assert w[latest] > 0.99 and w[first] < 0.01
+        alibi = (z[0, 0, -1] - (T - 1 - torch.arange(T)) / 256).softmax(-1)
+        assert alibi[first] > 0.45
+
+
+def test_stick_breaking_heads_are_checked_and_refuse_hf_export():
+    with pytest.raises(ConfigError, match="stick_breaking_heads must be between 0 and n_heads"):
+        tiny_cfg(stick_breaking_heads=5)
+    with pytest.raises(ValueError, match="no Hugging Face Llama equivalent"):
+        Llama(tiny_cfg(stick_breaking_heads=4)).hf_config()
 
 
 def test_inputs_embeds_equal_input_ids():

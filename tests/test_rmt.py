@@ -36,7 +36,9 @@ MODELS = [
 ]
 
 
-def tiny_backbone(vocab_size: int = V, hidden: int = 32, layers: int = 2, alibi: bool = False) -> Llama:
+def tiny_backbone(
+    vocab_size: int = V, hidden: int = 32, layers: int = 2, alibi: bool = False, stick_breaking_heads: int = 0
+) -> Llama:
     cfg = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -46,6 +48,7 @@ def tiny_backbone(vocab_size: int = V, hidden: int = 32, layers: int = 2, alibi:
         ffn_size=2 * hidden,
         max_positions=256,
         alibi=alibi,
+        stick_breaking_heads=stick_breaking_heads,
     )
     return Llama(cfg)
 
@@ -322,11 +325,12 @@ def test_wraps_a_hugging_face_backbone():
     )
 
 
-@pytest.mark.parametrize("alibi", [False, True])
-def test_attention_probs_reproduce_the_layer_output(alibi):
-    """The probabilities re-derived from an attention layer's inputs give back the layer's output."""
+@pytest.mark.parametrize("alibi, stick", [(False, 0), (True, 0), (True, 2), (False, 4)])
+def test_attention_probs_reproduce_the_layer_output(alibi, stick):
+    """The probabilities re-derived from an attention layer's inputs give back the layer's output; they sum to 1
+    in softmax heads and at most 1 in stick-breaking ones (the first `stick`)."""
     torch.manual_seed(0)
-    bb = tiny_backbone(alibi=alibi).eval()
+    bb = tiny_backbone(alibi=alibi, stick_breaking_heads=stick).eval()
     seen = []
     bb.layers[1].self_attn.register_forward_hook(lambda mod, args, out: seen.append((args, out)))
     ids = torch.randint(0, V, (2, 7))
@@ -338,7 +342,8 @@ def test_attention_probs_reproduce_the_layer_output(alibi):
     probs = attention_probs(attn, x, rope_for, mask_for)  # (B, H, T, T)
     v = attn.v_proj(x).view(2, 7, 2, -1).transpose(1, 2).repeat_interleave(2, dim=1)
     torch.testing.assert_close(attn.o_proj((probs @ v).transpose(1, 2).reshape(2, 7, -1)), out)
-    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 4, 7))
+    torch.testing.assert_close(probs[:, stick:].sum(-1), torch.ones(2, 4 - stick, 7))
+    assert (probs[:, :stick].sum(-1) <= 1 + 1e-6).all() and (probs[:, :stick].sum(-1) < 0.999).all()
 
 
 def test_memory_panels_and_their_one_figure():
