@@ -35,9 +35,7 @@ class LlamaConfig:
     key_norm: bool = False  # L2-normalise keys over the head dimension (Llama-XL)
     attn_scale: float | None = None  # None: 1/sqrt(head_dim)
     alibi: bool = False  # add ALiBi's per-head linear recency bias (Press et al. 2022) to the RoPE attention
-    stick_breaking_heads: int = (
-        0  # the first heads attend by stick-breaking (Tan et al. 2024), without RoPE/ALiBi
-    )
+    stick_breaking_heads: int = 0  # the first heads attend by stick-breaking (Tan et al. 2024), no RoPE/ALiBi
     init_std: float = 0.02
     embed_init_std: float | None = None  # None: init_std
 
@@ -144,9 +142,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.n_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.n_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.hidden_size, bias=False)
-        if (
-            cfg.stick_breaking_heads
-        ):  # a key takes sigmoid(-5) = 0.7% of the stick at first: ~150 keys share it
+        if cfg.stick_breaking_heads:  # a key takes sigmoid(-5) = 0.7% of the stick at first: ~150 share it
             self.stick_bias = nn.Parameter(torch.full((cfg.stick_breaking_heads,), -5.0))  # 1-D: no decay
 
     def forward(self, x: Tensor, rope_for, mask_for, cache: KVCacheHook | None, layer: int):
