@@ -30,7 +30,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from torch import Tensor
 
-from models.llama import Attention, Llama, allowed_keys, apply_rope, stick_breaking_weights
+from models.llama import Attention, Llama, allowed_keys, apply_rope
 from models.memory import MemoryState
 from models.rmt import RMT
 
@@ -131,10 +131,7 @@ def attention_probs(attn: Attention, x: Tensor, rope_for, mask_for) -> Tensor:
     k = k.repeat_interleave(cfg.n_heads // cfg.n_kv_heads, dim=1)
     scale, mask, S = cfg.attn_scale or cfg.head_dim**-0.5, mask_for(T), cfg.stick_breaking_heads
     allowed = allowed_keys(mask, T, T, x.device)
-    stick = []  # the first S heads: stick-breaking, no positions
-    if S:
-        z = (q[:, :S] @ k[:, :S].transpose(-1, -2)) * scale + attn.stick_bias[:, None, None]
-        stick = [stick_breaking_weights(z, allowed)]
+    stick = [attn.stick_weights(q[:, :S], k[:, :S], allowed)] if S else []  # the first S heads
     cos, sin = (t.to(q.dtype) for t in rope_for(T))
     q, k = apply_rope(q[:, S:], cos, sin), apply_rope(k[:, S:], cos, sin)
     scores = (q @ k.transpose(-1, -2)) * scale  # (B, H - S, T, T)

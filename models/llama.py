@@ -48,6 +48,11 @@ class LlamaConfig:
             raise ConfigError(
                 f"stick_breaking_heads must be between 0 and n_heads ({self.n_heads}), got {self.stick_breaking_heads}"
             )
+        if self.alibi and self.stick_breaking_heads == self.n_heads:
+            raise ConfigError(
+                "alibi=true biases the softmax heads, and stick_breaking_heads = n_heads leaves none: set alibi=false "
+                "or fewer stick_breaking_heads"
+            )
         if (self.hidden_size // self.n_heads) % 2:
             raise ConfigError("head_dim (hidden_size / n_heads) must be even for rotary embeddings")
 
@@ -145,6 +150,12 @@ class Attention(nn.Module):
         if cfg.stick_breaking_heads:  # a key takes sigmoid(-5) = 0.7% of the stick at first: ~150 share it
             self.stick_bias = nn.Parameter(torch.full((cfg.stick_breaking_heads,), -5.0))  # 1-D: no decay
 
+    def stick_weights(self, q: Tensor, k: Tensor, allowed: Tensor) -> Tensor:
+        """Weights (B, S, Tq, Tk) of the S stick-breaking heads from their queries (B, S, Tq, hd) and keys
+        (B, S, Tk, hd), no positions; allowed: bool (B|1, 1, Tq, Tk)."""
+        z = (q @ k.transpose(-1, -2)) * (self.cfg.attn_scale or self.cfg.head_dim**-0.5)
+        return stick_breaking_weights(z + self.stick_bias[:, None, None], allowed)
+
     def forward(self, x: Tensor, rope_for, mask_for, cache: KVCacheHook | None, layer: int):
         cfg, (B, T, _) = self.cfg, x.shape
         q = self.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)  # (B, H, T, hd)
@@ -158,9 +169,8 @@ class Attention(nn.Module):
         if S:  # the first S heads: stick-breaking, no positions (its recency is its own); the others as below
             groups = cfg.n_heads // cfg.n_kv_heads
             k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)  # (B, H, Tk, hd)
-            z = (q[:, :S] @ k[:, :S].transpose(-1, -2)) * (cfg.attn_scale or cfg.head_dim**-0.5)
             allowed = allowed_keys(mask, T, k.shape[2], x.device)
-            y_stick = stick_breaking_weights(z + self.stick_bias[:, None, None], allowed) @ v[:, :S]
+            y_stick = self.stick_weights(q[:, :S], k[:, :S], allowed) @ v[:, :S]
             if S == cfg.n_heads:
                 return self.o_proj(y_stick.transpose(1, 2).reshape(B, T, -1))
             q, k, v = q[:, S:], k[:, S:], v[:, S:]

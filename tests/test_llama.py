@@ -182,6 +182,8 @@ def test_stick_breaking_picks_the_latest_match_at_any_distance():
 def test_stick_breaking_heads_are_checked_and_refuse_hf_export():
     with pytest.raises(ConfigError, match="stick_breaking_heads must be between 0 and n_heads"):
         tiny_cfg(stick_breaking_heads=5)
+    with pytest.raises(ConfigError, match="leaves none: set alibi=false"):
+        tiny_cfg(stick_breaking_heads=4, alibi=True)
     with pytest.raises(ValueError, match="no Hugging Face Llama equivalent"):
         Llama(tiny_cfg(stick_breaking_heads=4)).hf_config()
 
