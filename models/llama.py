@@ -133,9 +133,10 @@ def stick_breaking_weights(z: Tensor, allowed: Tensor) -> Tensor:
     weight for query i is sigmoid(z_ij) times the product over the allowed keys l in (j, i] of (1 - sigmoid(z_il)).
     The nearest keys take their share of the stick first, so the latest match wins at any distance; the weights sum
     to at most 1. allowed: bool (B|1, 1, Tq, Tk) (`allowed_keys`)."""
-    passed = F.logsigmoid(-z).masked_fill(~allowed, 0.0)  # log(1 - sigmoid(z)) of each allowed key
+    log_rest = F.logsigmoid(-z)  # log(1 - sigmoid(z)); log sigmoid(z) = z + log_rest: one logsigmoid, not two
+    passed = log_rest.masked_fill(~allowed, 0.0)
     later = passed.flip(-1).cumsum(-1).flip(-1) - passed  # summed over the allowed keys after j
-    return (F.logsigmoid(z) + later).masked_fill(~allowed, float("-inf")).exp()
+    return (z + log_rest + later).masked_fill(~allowed, float("-inf")).exp()
 
 
 class Attention(nn.Module):
