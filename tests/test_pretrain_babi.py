@@ -171,6 +171,7 @@ def test_qa2_and_qa3_warm_starts_begin_from_the_task_before(tmp_path, monkeypatc
     monkeypatch.setattr(pretrain_babi, "pretrain", recorded)
     register_resolvers()
     small = ["warm_start.steps=2", "warm_start.n_pool=300", "warm_start.n_val=16", "warm_start.eval_every=2"]
+    small.append("backbone=tiny_babi")  # one backbone for the three tasks (task=qa2 alone picks tiny_babi_sb)
     qa2 = compose_train(["model=rmt_r", "task=qa2", *small])
     path = pretrain_babi.warm_start(qa2, build_tokenizer())
     qa1 = compose_train(["model=rmt_r", "task=qa1", *small])
