@@ -129,7 +129,7 @@ def attention_probs(attn: Attention, x: Tensor, rope_for, mask_for) -> Tensor:
     if cfg.key_norm:
         k = F.normalize(k, dim=-1)
     k = k.repeat_interleave(cfg.n_heads // cfg.n_kv_heads, dim=1)
-    scale, mask, S = cfg.attn_scale or cfg.head_dim**-0.5, mask_for(T), cfg.stick_breaking_heads
+    scale, mask, S = cfg.score_scale, mask_for(T), cfg.stick_breaking_heads
     allowed = allowed_keys(mask, T, T, x.device)
     stick = [attn.stick_weights(q[:, :S], k[:, :S], allowed)] if S else []  # the first S heads
     cos, sin = (t.to(q.dtype) for t in rope_for(T))

@@ -60,6 +60,11 @@ class LlamaConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.n_heads
 
+    @property
+    def score_scale(self) -> float:
+        """The factor on q·k: attn_scale, or 1/sqrt(head_dim) when it is None (SDPA's default)."""
+        return self.attn_scale or self.head_dim**-0.5
+
 
 class KVCacheHook(Protocol):
     """Per-layer key/value hook. Given this segment's un-rotated keys/values (B, H_kv, T, hd) of layer `layer`,
@@ -154,7 +159,7 @@ class Attention(nn.Module):
     def stick_weights(self, q: Tensor, k: Tensor, allowed: Tensor) -> Tensor:
         """Weights (B, S, Tq, Tk) of the S stick-breaking heads from their queries (B, S, Tq, hd) and keys
         (B, S, Tk, hd), no positions; allowed: bool (B|1, 1, Tq, Tk)."""
-        z = (q @ k.transpose(-1, -2)) * (self.cfg.attn_scale or self.cfg.head_dim**-0.5)
+        z = (q @ k.transpose(-1, -2)) * self.cfg.score_scale
         return stick_breaking_weights(z + self.stick_bias[:, None, None], allowed)
 
     def forward(self, x: Tensor, rope_for, mask_for, cache: KVCacheHook | None, layer: int):
