@@ -439,6 +439,9 @@ class CurriculumCallback(Callback):
     `patience` validations, or when the stage has run `max_steps_per_stage` optimizer steps (None: no budget; a list:
     one budget per stage of the schedule).
 
+    With `stage_targets` (a number, or one per stage, null for none) a stage is not left before its monitored metric
+    reaches its target (at most the target with mode "min"): neither patience nor the budget moves it on until then,
+    and `trainer.max_steps` still ends the run, so a seed that has not yet learned a stage gets longer in it.
     `monitor` may name the stage: "val/{task}/acc@{segments}seg" reads the accuracy at the stage's segment count.
     With `stop_after_last_stage`, training stops when the last stage stops improving (the paper's early stopping).
     With `stage_checkpoints`, the state at the end of each stage but the last (which last.ckpt holds) is kept as
@@ -455,6 +458,7 @@ class CurriculumCallback(Callback):
         max_steps_per_stage: int | Sequence[int] | None = None,
         stop_after_last_stage: bool = False,
         stage_checkpoints: bool = True,
+        stage_targets: float | Sequence[float | None] | None = None,
     ):
         if mode not in ("max", "min"):
             raise ConfigError(f"mode {mode!r} must be 'max' or 'min'")
@@ -464,7 +468,7 @@ class CurriculumCallback(Callback):
             )
         self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, min_delta
         self.max_steps_per_stage, self.stop_after_last_stage = max_steps_per_stage, stop_after_last_stage
-        self.stage_checkpoints = stage_checkpoints
+        self.stage_checkpoints, self.stage_targets = stage_checkpoints, stage_targets
         self.best: float | None = None
         self.wait = 0
         self.stage_start_step = 0
@@ -477,7 +481,9 @@ class CurriculumCallback(Callback):
         return dm
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        self._budget(self._datamodule(trainer))  # a list of budgets that does not fit the schedule fails here
+        dm = self._datamodule(trainer)  # lists of budgets or targets that do not fit the schedule fail here
+        self._per_stage(self.max_steps_per_stage, "max_steps_per_stage", dm)
+        self._per_stage(self.stage_targets, "stage_targets", dm)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         dm = self._datamodule(trainer)
@@ -488,24 +494,25 @@ class CurriculumCallback(Callback):
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
         dm = self._datamodule(trainer)
+        sign = 1.0 if self.mode == "max" else -1.0
         stalled = False
         if self.patience is not None:
-            key = self.monitor.format(task=dm.task, segments=dm.max_segments)
-            if key not in trainer.callback_metrics:
-                raise ConfigError(
-                    f"Curriculum monitor {key!r} was not logged; logged: {sorted(trainer.callback_metrics)}. "
-                    "Set curriculum.callback.monitor to one of them."
-                )
-            value = float(trainer.callback_metrics[key])
-            sign = 1.0 if self.mode == "max" else -1.0
+            value = self._value(trainer, dm)
             if self.best is None or sign * (value - self.best) > self.min_delta:
                 self.best, self.wait = value, 0
             else:
                 self.wait += 1
             stalled = self.wait >= self.patience
-        budget = self._budget(dm)
+        budget = self._per_stage(self.max_steps_per_stage, "max_steps_per_stage", dm)
         spent = budget is not None and trainer.global_step - self.stage_start_step >= budget
         if not (stalled or spent):
+            return
+        target = self._per_stage(self.stage_targets, "stage_targets", dm)
+        if target is not None and not dm.last_stage and sign * (self._value(trainer, dm) - target) < 0:
+            rank_zero_info(
+                f"Curriculum stage {dm.stage} ({dm.max_segments} segments) held at step {trainer.global_step}: "
+                f"{self._key(dm)} = {self._value(trainer, dm):.3f} has not reached its target {target}"
+            )
             return
         if self.stage_checkpoints and trainer.checkpoint_callback is not None and not dm.last_stage:
             name = f"stage{dm.stage}-{dm.max_segments}seg.ckpt"
@@ -516,17 +523,30 @@ class CurriculumCallback(Callback):
         elif stalled and self.stop_after_last_stage:
             trainer.should_stop = True
 
-    def _budget(self, dm: BabilongDataModule) -> int | None:
-        """The current stage's step budget."""
-        budgets = self.max_steps_per_stage
-        if budgets is None or isinstance(budgets, int):
-            return budgets
-        if len(budgets) != len(dm.schedule):
+    def _key(self, dm: BabilongDataModule) -> str:
+        return self.monitor.format(task=dm.task, segments=dm.max_segments)
+
+    def _value(self, trainer: L.Trainer, dm: BabilongDataModule) -> float:
+        """The monitored metric of the current stage, as last validated."""
+        key = self._key(dm)
+        if key not in trainer.callback_metrics:
             raise ConfigError(
-                f"curriculum.callback.max_steps_per_stage {list(budgets)} has {len(budgets)} budgets for the "
+                f"Curriculum monitor {key!r} was not logged; logged: {sorted(trainer.callback_metrics)}. "
+                "Set curriculum.callback.monitor to one of them."
+            )
+        return float(trainer.callback_metrics[key])
+
+    @staticmethod
+    def _per_stage(values, name: str, dm: BabilongDataModule):
+        """The current stage's entry of `values` (None, one number for every stage, or one per stage)."""
+        if values is None or isinstance(values, int | float):
+            return values
+        if len(values) != len(dm.schedule):
+            raise ConfigError(
+                f"curriculum.callback.{name} {list(values)} has {len(values)} entries for the "
                 f"{len(dm.schedule)} stages of the schedule {list(dm.schedule)}: give one per stage, or one number."
             )
-        return int(budgets[dm.stage])
+        return values[dm.stage]
 
     def state_dict(self) -> dict:
         return {"best": self.best, "wait": self.wait, "stage_start_step": self.stage_start_step}

@@ -1,6 +1,7 @@
 """Curriculum datamodule: segment-count distribution, same-k unpadded batches, batches as pure functions of
-(seed, stage, j) across re-creation and worker counts, stage changes on patience and step budget inside one fit,
-exact continuation after resuming from a checkpoint, and every task/curriculum config composing."""
+(seed, stage, j) across re-creation and worker counts, stage changes on patience and step budget (held below a
+target) inside one fit, exact continuation after resuming from a checkpoint, and every task/curriculum config
+composing."""
 
 from __future__ import annotations
 
@@ -337,10 +338,33 @@ def test_stage_advances_on_its_own_budget(tok, cache, tmp_path):
     assert 2 <= dm.stage_starts[1] <= 3 and 8 <= dm.stage_starts[2] <= 9  # + the batch fetched ahead
 
 
-def test_budgets_that_do_not_fit_the_schedule_are_refused(tok, cache, tmp_path):
-    dm = make_dm(tok, cache, callback=CurriculumCallback(patience=None, max_steps_per_stage=[2, 6]))
-    with pytest.raises(ConfigError, match=r"2 budgets for the 3 stages of the schedule \[1, 2, 4\]"):
+@pytest.mark.parametrize("name", ["max_steps_per_stage", "stage_targets"])
+def test_budgets_or_targets_that_do_not_fit_the_schedule_are_refused(tok, cache, tmp_path, name):
+    callback = CurriculumCallback(**{"patience": None, "max_steps_per_stage": 2, name: [2, 6]})
+    dm = make_dm(tok, cache, callback=callback)
+    with pytest.raises(
+        ConfigError, match=rf"{name} \[2, 6\] has 2 entries for the 3 stages of the schedule \[1, 2, 4\]"
+    ):
         fit(dm, Probe(lambda step: step), 4, tmp_path)
+
+
+def test_a_stage_below_its_target_is_held_past_its_budget_and_patience(tok, cache, tmp_path, caplog):
+    callback = CurriculumCallback(patience=1, max_steps_per_stage=2, stage_targets=[None, 0.8, 0.9])
+    dm = make_dm(tok, cache, callback=callback)
+    # validations every 2 steps; stage 1 (from step 2) spends its budget at step 4 and reaches 0.8 at step 8
+    with caplog.at_level(logging.INFO):
+        fit(dm, Probe(lambda step: step / 10), 12, tmp_path)
+    assert dm.stage == 2 and callback.stage_start_step == 8  # the last stage's target has nothing to hold
+    assert 2 <= dm.stage_starts[1] <= 3 and 8 <= dm.stage_starts[2] <= 9
+    held = [line for line in caplog.messages if "held" in line]
+    assert len(held) == 2 and "stage 1 (2 segments) held at step 6: val/qa1/acc@2seg = 0.600" in held[1]
+
+
+def test_a_stage_that_never_reaches_its_target_lasts_to_max_steps(tok, cache, tmp_path):
+    callback = CurriculumCallback(mode="min", patience=1, max_steps_per_stage=2, stage_targets=0.4)
+    dm = make_dm(tok, cache, callback=callback)
+    fit(dm, Probe(lambda step: 0.5), 10, tmp_path)  # mode min: at most 0.4, never reached
+    assert dm.stage == 0 and dm.stage_starts == [0]
 
 
 def test_resume_continues_stage_and_data_exactly(tok, cache, tmp_path):
