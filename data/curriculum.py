@@ -508,12 +508,14 @@ class CurriculumCallback(Callback):
         if not (stalled or spent):
             return
         target = self._per_stage(self.stage_targets, "stage_targets", dm)
-        if target is not None and not dm.last_stage and sign * (self._value(trainer, dm) - target) < 0:
-            rank_zero_info(
-                f"Curriculum stage {dm.stage} ({dm.max_segments} segments) held at step {trainer.global_step}: "
-                f"{self._key(dm)} = {self._value(trainer, dm):.3f} has not reached its target {target}"
-            )
-            return
+        if target is not None and not dm.last_stage:
+            value = self._value(trainer, dm)
+            if sign * (value - target) < 0:
+                rank_zero_info(
+                    f"Curriculum stage {dm.stage} ({dm.max_segments} segments) held at step {trainer.global_step}: "
+                    f"{self._key(dm)} = {value:.3f} has not reached its target {target}"
+                )
+                return
         if self.stage_checkpoints and trainer.checkpoint_callback is not None and not dm.last_stage:
             name = f"stage{dm.stage}-{dm.max_segments}seg.ckpt"
             path = Path(trainer.checkpoint_callback.dirpath) / name
