@@ -282,6 +282,7 @@ def settings_of(cfg: DictConfig) -> dict:
     (`task_steps`: qa1 reaches its target within 6,750-9,250 steps by machine, the others plateau below it)."""
     settings = OmegaConf.to_container(cfg.warm_start, resolve=True)
     settings.pop("from_task", None)
+    settings.pop("from_backbone", None)
     caps = settings.pop("task_steps", None) or {}
     if (focus := (settings.pop("focus", None) or {}).get(cfg.task.get("task"))) is not None:
         if set(focus) != {"question", "steps", "share"} or not 0 <= focus["share"] <= 1 or focus["steps"] < 0:
@@ -308,6 +309,36 @@ def first_task_config(cfg: DictConfig, first: str) -> DictConfig:
     return OmegaConf.merge(cfg, {"task": {"task": first}, "warm_start": {"from_task": "auto"}})
 
 
+def first_backbone_config(cfg: DictConfig) -> DictConfig | None:
+    """The config of the warm start a task that begins from no other task's begins from: the same task on the
+    backbone with `warm_start.from_backbone`'s settings (e.g. no stick-breaking heads); None when unset."""
+    changes = cfg.warm_start.get("from_backbone")
+    if not changes or from_task(cfg) is not None:
+        return None
+    unknown = sorted(set(changes) - set(cfg.backbone))
+    if unknown:
+        raise ConfigError(f"warm_start.from_backbone names {unknown}, which backbone= has no setting of")
+    return OmegaConf.merge(cfg, {"backbone": changes, "warm_start": {"from_backbone": None}})
+
+
+def backbone_identity(backbone_cfg: DictConfig) -> dict:
+    """The backbone settings a cache key holds; stick_breaking_heads=0 as if absent (keys from before it stay)."""
+    identity = OmegaConf.to_container(backbone_cfg, resolve=True)
+    if identity.get("stick_breaking_heads") == 0:
+        del identity["stick_breaking_heads"]
+    return identity
+
+
+def load_other_backbone(backbone: nn.Module, path: Path) -> list[str]:
+    """Load the warm start of the backbone without `backbone`'s extra parameters (the stick-breaking biases):
+    every tensor of the file, the others left at their initial values, whose names it returns."""
+    saved = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    missing, unexpected = backbone.load_state_dict(saved, strict=False)
+    if unexpected:
+        raise ConfigError(f"{path} holds tensors this backbone has no place for: {unexpected}")
+    return missing
+
+
 def warm_start_file(cfg: DictConfig) -> Path:
     """Where the warm start of this run's backbone, tokenizer, task and `warm_start` settings is cached."""
     task = cfg.task.get("task")
@@ -316,12 +347,17 @@ def warm_start_file(cfg: DictConfig) -> Path:
             "backbone_init=warm_start pretrains the backbone on a BABILong task's stories: use it with "
             "task=qa1 ... qa20, or set backbone_init=null (random weights) or a file."
         )
-    identity = {name: OmegaConf.to_container(cfg[name], resolve=True) for name in ("backbone", "tokenizer")}
+    identity = {
+        "backbone": backbone_identity(cfg.backbone),
+        "tokenizer": OmegaConf.to_container(cfg.tokenizer, resolve=True),
+    }
     identity["warm_start"] = settings_of(cfg)
     if (revision := REVISIONS.get(task_name(task))) is not None:  # the task's stories changed: a new file
         identity["revision"] = revision
     if (first := from_task(cfg)) is not None:  # keyed by the file it starts from: a new start, a new file
         identity["from_task"] = warm_start_file(first_task_config(cfg, first)).name
+    if (other := first_backbone_config(cfg)) is not None:  # the other backbone's warm start of this task
+        identity["from_backbone"] = warm_start_file(other).name
     key = hashlib.sha256(json.dumps({**identity, "task": task}, sort_keys=True).encode()).hexdigest()[:16]
     return default_cache_dir() / "warm_start" / f"{task}-{key}.pt"
 
@@ -344,13 +380,24 @@ def warm_start(cfg: DictConfig, tokenizer) -> Path:
         start = None  # the first task's warm start, built (or found) first, from its own `auto`
         if first is not None:
             start = warm_start(first_task_config(cfg, first), tokenizer)
+        other = first_backbone_config(cfg)
+        if other is not None:  # or this task's on the other backbone
+            start = warm_start(other, tokenizer)
         log.info("Warm-starting the backbone on %s stories (once; cached as %s): %s", task, path, settings)
         threads = torch.get_num_threads()
         torch.set_num_threads(cfg.get("threads") or 1)  # a tiny backbone: one thread is fastest
         with torch.random.fork_rng():
             torch.manual_seed(settings["seed"])
             backbone = build_backbone(cfg.backbone, tokenizer)
-            if start is not None:
+            if other is not None:
+                kept = load_other_backbone(backbone, start)
+                log.info(
+                    "Starting from %s (%s), %s at their initial values",
+                    start,
+                    dict(cfg.warm_start.from_backbone),
+                    kept,
+                )
+            elif start is not None:
                 log.info("Starting from the %s warm start %s", first, start)
                 load_backbone_init(backbone, str(start), cfg.backbone)
             t0 = time.perf_counter()

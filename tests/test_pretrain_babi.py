@@ -193,6 +193,43 @@ def test_qa2_and_qa3_warm_starts_begin_from_the_task_before(tmp_path, monkeypatc
         warm_start_file(compose_train(["model=rmt_r", "task=qa2", "warm_start.from_task=qa99"]))
 
 
+def test_a_stick_breaking_backbone_starts_from_the_softmax_backbones_warm_start(tmp_path, monkeypatch):
+    """recipe/tiny_babi_sb.yaml: qa1's warm start of the stick-breaking backbone begins from tiny_babi's (the very
+    file `task=qa1` caches), every tensor loaded and the stick-breaking biases at their initial value; its key names
+    that file, qa2's trains on from it. A setting the backbone does not have is refused."""
+    monkeypatch.setenv("MEMLM_CACHE", str(tmp_path))
+    started = []
+
+    def recorded(backbone, tokenizer, task, **settings):
+        started.append((task, {k: v.clone() for k, v in backbone.state_dict().items()}))
+        return pretrain(backbone, tokenizer, task, **settings)
+
+    monkeypatch.setattr(pretrain_babi, "pretrain", recorded)
+    register_resolvers()
+    small = ["warm_start.steps=2", "warm_start.n_pool=300", "warm_start.n_val=16", "warm_start.eval_every=2"]
+    qa2 = compose_train(["model=rmt_r", "task=qa2", *small])
+    assert qa2.backbone.stick_breaking_heads == 2
+    pretrain_babi.warm_start(qa2, build_tokenizer())
+    assert [task for task, _ in started] == ["qa1", "qa1", "qa2"]
+    softmax = warm_start_file(compose_train(["model=rmt_r", "task=qa1", *small]))  # backbone=tiny_babi's
+    saved = torch.load(softmax, weights_only=True)["state_dict"]
+    begun = started[1][1]
+    assert sorted(set(begun) - set(saved)) == [f"layers.{i}.self_attn.stick_bias" for i in range(3)]
+    torch.testing.assert_close({k: begun[k] for k in saved}, saved)
+    assert all(bool((begun[f"layers.{i}.self_attn.stick_bias"] == -5.0).all()) for i in range(3))
+    qa1_sb = compose_train(["model=rmt_r", "task=qa1", "backbone=tiny_babi_sb", *small])
+    saved_sb = torch.load(warm_start_file(qa1_sb), weights_only=True)["state_dict"]
+    torch.testing.assert_close(started[2][1], saved_sb)  # qa2 from the stick-breaking qa1 warm start
+
+    alone = compose_train(
+        ["model=rmt_r", "task=qa1", "backbone=tiny_babi_sb", *small, "warm_start.from_backbone=null"]
+    )
+    assert warm_start_file(alone) != warm_start_file(qa1_sb)
+    wrong = ["model=rmt_r", "task=qa1", "backbone=tiny_babi_sb", "+warm_start.from_backbone.n_wings=0"]
+    with pytest.raises(ValueError, match=r"from_backbone names \['n_wings'\]"):
+        warm_start_file(compose_train(wrong))
+
+
 def test_pretraining_says_what_it_does_and_its_bar_ends_full_when_it_stops_early(tok, monkeypatch):
     """Was: no word of what runs or how long, and a bar left at "75%" when the target stopped the run."""
     bars = []
