@@ -377,11 +377,11 @@ def warm_start(cfg: DictConfig, tokenizer) -> Path:
             return path
         settings = settings_of(cfg)
         task, first = cfg.task.task, from_task(cfg)
+        other = first_backbone_config(cfg)  # None when it starts from another task
         start = None  # the first task's warm start, built (or found) first, from its own `auto`
         if first is not None:
             start = warm_start(first_task_config(cfg, first), tokenizer)
-        other = first_backbone_config(cfg)
-        if other is not None:  # or this task's on the other backbone
+        elif other is not None:  # or this task's on the other backbone
             start = warm_start(other, tokenizer)
         log.info("Warm-starting the backbone on %s stories (once; cached as %s): %s", task, path, settings)
         threads = torch.get_num_threads()

@@ -157,10 +157,8 @@ def test_warm_start_is_trained_once_per_config_cached_and_reused(tmp_path, monke
         warm_start_file(compose_train(["model=rmt_r", "backbone=tiny_babi", "backbone_init=warm_start"]))
 
 
-def test_qa2_and_qa3_warm_starts_begin_from_the_task_before(tmp_path, monkeypatch):
-    """warm_start.from_task=auto (the default): qa2's warm start first builds (or finds) qa1's and trains on from
-    its weights, qa3's from qa2's; a cache key names the task it started from, while qa1's is what it was before.
-    A task that starts from itself, or from no bAbI task, is refused."""
+def record_starts(tmp_path, monkeypatch) -> list:
+    """Warm starts cached under tmp_path; the list gets (task, the backbone's weights) as each pretraining begins."""
     monkeypatch.setenv("MEMLM_CACHE", str(tmp_path))
     started = []
 
@@ -170,6 +168,14 @@ def test_qa2_and_qa3_warm_starts_begin_from_the_task_before(tmp_path, monkeypatc
 
     monkeypatch.setattr(pretrain_babi, "pretrain", recorded)
     register_resolvers()
+    return started
+
+
+def test_qa2_and_qa3_warm_starts_begin_from_the_task_before(tmp_path, monkeypatch):
+    """warm_start.from_task=auto (the default): qa2's warm start first builds (or finds) qa1's and trains on from
+    its weights, qa3's from qa2's; a cache key names the task it started from, while qa1's is what it was before.
+    A task that starts from itself, or from no bAbI task, is refused."""
+    started = record_starts(tmp_path, monkeypatch)
     small = ["warm_start.steps=2", "warm_start.n_pool=300", "warm_start.n_val=16", "warm_start.eval_every=2"]
     small.append("backbone=tiny_babi")  # one backbone for the three tasks (task=qa2 alone picks tiny_babi_sb)
     qa2 = compose_train(["model=rmt_r", "task=qa2", *small])
@@ -197,15 +203,7 @@ def test_a_stick_breaking_backbone_starts_from_the_softmax_backbones_warm_start(
     """recipe/tiny_babi_sb.yaml: qa1's warm start of the stick-breaking backbone begins from tiny_babi's (the very
     file `task=qa1` caches), every tensor loaded and the stick-breaking biases at their initial value; its key names
     that file, qa2's trains on from it. A setting the backbone does not have is refused."""
-    monkeypatch.setenv("MEMLM_CACHE", str(tmp_path))
-    started = []
-
-    def recorded(backbone, tokenizer, task, **settings):
-        started.append((task, {k: v.clone() for k, v in backbone.state_dict().items()}))
-        return pretrain(backbone, tokenizer, task, **settings)
-
-    monkeypatch.setattr(pretrain_babi, "pretrain", recorded)
-    register_resolvers()
+    started = record_starts(tmp_path, monkeypatch)
     small = ["warm_start.steps=2", "warm_start.n_pool=300", "warm_start.n_val=16", "warm_start.eval_every=2"]
     qa2 = compose_train(["model=rmt_r", "task=qa2", *small])
     assert qa2.backbone.stick_breaking_heads == 2
